@@ -1,0 +1,33 @@
+# `make demo` and `make test` each work on a fresh clone: they create the virtualenv, install the
+# package (torch pinned to the CPU build that lies on these machines' disk), build the plugin's
+# CPU twin, then run.
+VENV ?= .venv
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup plugin demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(STAMP)
+
+plugin: setup
+
+demo: setup plugin
+	$(VENV)/bin/rope-export demo
+
+lint: setup
+	$(VENV)/bin/ruff check rope_export tests scripts models
+
+test: lint plugin
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,58 @@
+"""Comparison tolerances: the one place they are set, and why.
+
+Two kinds of comparison:
+
+* ``op``: two implementations of the rotary op contract on the same inputs. Both compute in
+  float32 and round once to the storage dtype, so they differ only by float32 rounding order
+  (FMA or not) and by that final rounding landing one unit in the last place (ulp) apart.
+  Tolerance: about two storage ulps. fp32: 1e-5; fp16 (ulp 2^-10 ~ 9.8e-4): 2e-3;
+  bf16 (ulp 2^-7 ~ 7.8e-3): 1.6e-2.
+* ``block``: a whole attention block (projections, softmax, matmuls) run by two runtimes. In half
+  precision each matmul accumulates with a different order and rounding, so errors of a few
+  ulps of the *output scale* are normal; the absolute part is scaled for outputs of order 1.
+
+A value passes when ``|a - b| <= atol + rtol * |b|`` (numpy.allclose's rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+    def allclose(self, actual, expected) -> bool:
+        import numpy as np
+
+        a = np.asarray(actual, dtype=np.float64)
+        b = np.asarray(expected, dtype=np.float64)
+        return bool(np.all(np.abs(a - b) <= self.atol + self.rtol * np.abs(b)))
+
+
+TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    "op": {
+        "float32": Tolerance(atol=1e-5, rtol=1e-5),
+        "float16": Tolerance(atol=2e-3, rtol=2e-3),
+        "bfloat16": Tolerance(atol=1.6e-2, rtol=1.6e-2),
+    },
+    "block": {
+        "float32": Tolerance(atol=1e-4, rtol=1e-4),
+        "float16": Tolerance(atol=1e-2, rtol=1e-2),
+        "bfloat16": Tolerance(atol=6e-2, rtol=6e-2),
+    },
+}
+
+
+def tolerance(kind: str, dtype: str) -> Tolerance:
+    """``kind`` is "op" or "block"; ``dtype`` a name such as "float16" (torch dtypes accepted)."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return TOLERANCES[kind][name]
+    except KeyError:
+        raise KeyError(
+            f"no tolerance for kind={kind!r}, dtype={name!r}; kinds: {sorted(TOLERANCES)}, "
+            f"dtypes: {sorted(TOLERANCES['op'])}"
+        ) from None
