@@ -13,6 +13,7 @@ import sys
 
 COMMAND_MODULES = [
     "rope_export.presets",
+    "rope_export.export",
     "rope_export.demo",
 ]
 

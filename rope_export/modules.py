@@ -58,10 +58,23 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: RopeConfig, cache_len: int | None = None):
         super().__init__()
         self.config = config
+        # "custom-op": one rope_export::RotaryEmbedding per rotated tensor (eager and export alike).
+        # "decomposed": the same math written as plain torch ops, the way transformers writes it,
+        # so a plain torch.onnx.export of the block shows what a decomposed RoPE costs.
+        self.mode = "custom-op"
         if not config.seq_len_dependent:
             cos, sin = build_caches(config, cache_len)
             self.register_buffer("cos_cache", cos, persistent=False)
             self.register_buffer("sin_cache", sin, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # .to(float16) on the block must not round the caches: they stay float32 (precision at
+        # long positions; the op contract allows float32 caches under half-precision X).
+        caches = {name: buf for name, buf in self._buffers.items() if name in ("cos_cache", "sin_cache")}
+        super()._apply(fn, recurse)
+        for name, original in caches.items():
+            self._buffers[name] = original.to(device=self._buffers[name].device)
+        return self
 
     @property
     def cache_len(self) -> int | None:
@@ -78,6 +91,8 @@ class RotaryEmbedding(nn.Module):
         return torch.cos(angles) * scaling, torch.sin(angles) * scaling, None
 
     def apply(self, x, cos, sin, position_ids, num_heads: int = 0) -> torch.Tensor:
+        if self.mode == "decomposed":
+            return _rotary_decomposed(x, cos, sin, position_ids, self.config, num_heads)
         return ops.rotary_embedding(
             x, cos, sin, position_ids, self.config.interleaved, num_heads, self.config.rotary_embedding_dim
         )
@@ -85,6 +100,32 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, num_heads: int = 0) -> torch.Tensor:
         """Rotate ``x`` ([B, H, S, D], or [B, S, H*D] with ``num_heads``)."""
         return self.apply(x, *self.cos_sin(position_ids), num_heads=num_heads)
+
+
+def _rotary_decomposed(x, cos, sin, position_ids, config: RopeConfig, num_heads: int) -> torch.Tensor:
+    """RoPE in plain torch ops as transformers writes it (gather, rotate-half or even/odd, concat).
+
+    Used only to measure and test against a decomposed export; positions are assumed in range.
+    """
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    if x.dim() == 3:  # [B, S, H*D] -> [B, S, H, D], cos/sin [B, S, 1, rd/2]
+        xs = x.unflatten(-1, (num_heads, -1))
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    else:  # [B, H, S, D], cos/sin [B, 1, S, rd/2]
+        xs = x
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rd = config.rotary_embedding_dim
+    rot, tail = xs[..., :rd].float(), xs[..., rd:]
+    if config.interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+        rotated = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    out = torch.cat((rotated.to(x.dtype), tail), dim=-1)
+    return out.flatten(-2) if x.dim() == 3 else out
 
 
 def check_position_ids(position_ids: torch.Tensor) -> None:

@@ -75,6 +75,9 @@ class Preset:
         unknown = sorted(set(data) - {"name", "family", "source", "attention", "rope"})
         if unknown:
             fail(unknown[0], "is not a preset field (known: name, family, source, attention, rope)")
+        for key in ("attention", "rope"):
+            if not isinstance(data[key], dict):
+                fail(key, f"must be a table ([{key}] section), got {data[key]!r}")
         att = dict(data["attention"])
         known = {f.name for f in dataclasses.fields(AttentionConfig)}
         for key in sorted(set(att) - known):
@@ -82,6 +85,12 @@ class Preset:
         for key in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
             if key not in att:
                 fail(f"attention.{key}", "is missing")
+        for key in ("qkv_bias", "o_bias"):
+            if key in att and not isinstance(att[key], bool):
+                fail(f"attention.{key}", f"must be true or false, got {att[key]!r}")
+        scale = att.get("softmax_scale")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+            fail("attention.softmax_scale", f"must be a number, got {scale!r}")
         try:
             attention = AttentionConfig(**att)
         except ValueError as exc:

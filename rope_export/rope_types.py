@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,15 +53,37 @@ class RopeConfig:
     def __post_init__(self) -> None:
         for name in ("short_factor", "long_factor"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, tuple):
-                object.__setattr__(self, name, tuple(float(v) for v in value))
+            if value is not None:
+                items = _number_list(value)
+                if items is None:
+                    self._fail(name, f"must be a list of numbers, got {value!r}")
+                object.__setattr__(self, name, items)
         self._validate()
 
     # -- validation -------------------------------------------------------------------------
     def _fail(self, field: str, problem: str) -> None:
         raise RopeConfigError(f"rope field '{field}': {problem}")
 
+    def _check_types(self) -> None:
+        # A wrong type (say rope_theta = "1e4" or truncate = "false" in a TOML file) must be named
+        # here, not fail later in arithmetic or be silently taken as truthy.
+        if not isinstance(self.rope_type, str):
+            self._fail("rope_type", f"must be a string, got {self.rope_type!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                self._fail(name, f"must be an integer, got {value!r} ({type(value).__name__})")
+        for name in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _is_number(value):
+                self._fail(name, f"must be a number, got {value!r} ({type(value).__name__})")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                self._fail(name, f"must be true or false, got {value!r} ({type(value).__name__})")
+
     def _validate(self) -> None:
+        self._check_types()
         if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
             self._fail("head_dim", f"must be a positive even integer, got {self.head_dim!r}")
         if self.rope_type not in ROPE_INIT_FUNCTIONS:
@@ -127,6 +150,37 @@ class RopeConfig:
             if f.name in ("head_dim", "rope_type") or value != f.default:
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+
+_INT_FIELDS = ("head_dim", "max_position_embeddings", "rotary_dim", "original_max_position_embeddings")
+_NUMBER_FIELDS = (
+    "rope_theta",
+    "partial_rotary_factor",
+    "factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "low_freq_factor",
+    "high_freq_factor",
+)
+_BOOL_FIELDS = ("interleaved", "truncate")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _number_list(value) -> tuple[float, ...] | None:
+    """``value`` as a tuple of floats, or None when it is not a list of numbers."""
+    if isinstance(value, (str, bytes, dict)):
+        return None
+    try:
+        items = list(value)
+    except TypeError:
+        return None
+    return tuple(float(v) for v in items) if all(_is_number(v) for v in items) else None
 
 
 # -- the registry ----------------------------------------------------------------------------
@@ -212,10 +266,12 @@ def _longrope(cfg, seq_len=None):
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     seq = _seq_len_tensor(seq_len, original)
-    short = torch.tensor(cfg.short_factor, dtype=seq.dtype)
-    long = torch.tensor(cfg.long_factor, dtype=seq.dtype)
-    ext = torch.where(seq > original, long, short)  # one switch for the whole batch, like transformers
-    return 1.0 / (ext * cfg.rope_theta ** _exponents(cfg, seq.dtype)), float(attention)
+    # Both sets are constants computed in float64; only the switch between them happens at run
+    # time (in-graph when exported), once for the whole batch like transformers.
+    base = cfg.rope_theta ** _exponents(cfg, torch.float64)
+    short = 1.0 / (torch.tensor(cfg.short_factor, dtype=torch.float64) * base)
+    long = 1.0 / (torch.tensor(cfg.long_factor, dtype=torch.float64) * base)
+    return torch.where(seq > original, long.to(seq.dtype), short.to(seq.dtype)), float(attention)
 
 
 def _llama3(cfg, seq_len=None):

@@ -1,0 +1,382 @@
+"""Export RoPE attention blocks to ONNX with one ``rope_export::RotaryEmbedding`` node per rotated
+tensor, on torch's dynamo exporter with a ``custom_translation_table``.
+
+The file has dynamic batch, sequence and (with ``decode=True``) past length, so one file serves
+prefill (S > 1, past length 0) and decode (S = 1 with past keys/values). ``position_ids`` is a
+graph input; caches are float32 initializers sized to the cache length (the preset's maximum
+position unless told otherwise), never to the example. The RoPE configuration lands in the
+model's metadata (``rope_export.*`` keys) so ``check`` can rebuild the PyTorch block from the
+file alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+
+from rope_export import (
+    __version__,
+    contract,
+    onnx_op,  # noqa: F401  (registers the rope_export schema for onnxscript)
+)
+from rope_export.fileio import atomic_path
+from rope_export.presets import Preset, load_preset
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MIN_OPSET = 18  # the lowest ai.onnx opset torch's dynamo exporter emits
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # protobuf's 2 GB limit, with room for the graph itself
+METADATA_PREFIX = "rope_export."
+
+# Graph I/O names: the contract between export, lowering, check and the serving side.
+INPUT_NAMES = ("hidden_states", "position_ids", "past_key", "past_value")
+OUTPUT_NAMES = ("output", "present_key", "present_value")
+
+
+class ExportError(ValueError):
+    """An export request that cannot be honoured; the message names the fix."""
+
+
+def _rotary_translation(x, cos_cache, sin_cache, position_ids=None, interleaved=False, num_heads=0,
+                        rotary_embedding_dim=0):
+    import onnxscript
+
+    rope_opset = onnxscript.values.Opset(contract.DOMAIN, contract.OP_VERSION)
+    return getattr(rope_opset, contract.OP_TYPE)(
+        x,
+        cos_cache,
+        sin_cache,
+        position_ids,
+        interleaved=int(interleaved),
+        num_heads=int(num_heads),
+        rotary_embedding_dim=int(rotary_embedding_dim),
+    )
+
+
+def custom_translation_table() -> dict:
+    return {torch.ops.rope_export.rotary_embedding.default: _rotary_translation}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    model: onnx.ModelProto
+    path: Path | None
+    preset: Preset
+    dtype: str
+    decode: bool
+
+    @property
+    def custom_nodes(self) -> int:
+        return count_rotary_nodes(self.model)
+
+
+def count_rotary_nodes(model: onnx.ModelProto) -> int:
+    return sum(1 for n in model.graph.node if n.domain == contract.DOMAIN and n.op_type == contract.OP_TYPE)
+
+
+def example_inputs(preset: Preset, dtype: torch.dtype, decode: bool, batch: int = 2, seq: int = 4,
+                   past: int = 3, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs for one call of the block, in INPUT_NAMES order (past only with ``decode``)."""
+    a = preset.attention
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, a.hidden_size, generator=generator).to(dtype)
+    positions = (torch.arange(seq) + (past if decode else 0)).expand(batch, seq).contiguous()
+    if not decode:
+        return hidden, positions
+    kv = (batch, a.num_kv_heads, past, a.head_dim)
+    return (
+        hidden,
+        positions,
+        torch.randn(kv, generator=generator).to(dtype),
+        torch.randn(kv, generator=generator).to(dtype),
+    )
+
+
+def _dynamic_shapes(decode: bool):
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("seq", min=1, max=2**20)
+    shapes = [{0: batch, 1: seq}, {0: batch, 1: seq}]
+    if decode:
+        past = torch.export.Dim("past", min=0, max=2**20)
+        shapes += [{0: batch, 2: past}, {0: batch, 2: past}]
+    return tuple(shapes)
+
+
+def _check_opset(opset: int) -> None:
+    newest = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= opset <= newest:
+        raise ExportError(
+            f"opset {opset} is outside what the file can use: {MIN_OPSET} (the lowest the dynamo exporter "
+            f"emits) to {newest} (the newest this onnx knows); pick one in that range, e.g. 23 for the "
+            "standard RotaryEmbedding lowering"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_exporter(verbose: bool) -> Iterator[None]:
+    """torch.onnx prints its own step lines and warnings; keep them for --verbose only."""
+    if verbose:
+        yield
+        return
+    sink = io.StringIO()
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def export_block(
+    block: torch.nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    opset: int = 23,
+    decode: bool = False,
+    metadata: dict[str, str] | None = None,
+    verbose: bool = False,
+) -> onnx.ModelProto:
+    """Export a block whose forward is ``(hidden_states, position_ids[, past_key, past_value])``."""
+    _check_opset(opset)
+    n_in = 4 if decode else 2
+    with torch.no_grad(), _quiet_exporter(verbose):
+        program = torch.onnx.export(
+            block,
+            tuple(inputs[:n_in]),
+            dynamo=True,
+            opset_version=opset,
+            input_names=list(INPUT_NAMES[:n_in]),
+            output_names=list(OUTPUT_NAMES),
+            dynamic_shapes=_dynamic_shapes(decode),
+            custom_translation_table=custom_translation_table(),
+            verbose=verbose,
+        )
+    model = program.model_proto
+    _rename_dynamic_dims(model)
+    for key, value in (metadata or {}).items():
+        model.metadata_props.add(key=key, value=value)
+    model.producer_name, model.producer_version = "rope-export", __version__
+    return model
+
+
+def _rename_dynamic_dims(model: onnx.ModelProto) -> None:
+    """Give the I/O's symbolic dims readable names: batch, seq, past, past+seq."""
+    names = {}
+    graph = model.graph
+    for value, axes in ((graph.input[0], {0: "batch", 1: "seq"}),):
+        for axis, name in axes.items():
+            dim = value.type.tensor_type.shape.dim[axis]
+            if dim.dim_param:
+                names[dim.dim_param] = name
+    if len(graph.input) == 4:
+        dim = graph.input[2].type.tensor_type.shape.dim[2]
+        if dim.dim_param:
+            names[dim.dim_param] = "past"
+    for value in list(graph.input) + list(graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
+            elif dim.dim_param and len(graph.input) == 4 and value.name.startswith("present"):
+                dim.dim_param = "past+seq"
+
+
+def preset_metadata(preset: Preset, dtype: str, seed: int, cache_len: int | None, decode: bool) -> dict[str, str]:
+    return {
+        METADATA_PREFIX + "version": __version__,
+        METADATA_PREFIX + "preset": json.dumps(preset.to_dict(), sort_keys=True),
+        METADATA_PREFIX + "dtype": dtype,
+        METADATA_PREFIX + "seed": str(seed),
+        METADATA_PREFIX + "cache_len": "" if cache_len is None else str(cache_len),
+        METADATA_PREFIX + "decode": str(int(decode)),
+        METADATA_PREFIX + "out_of_range_positions": contract.OUT_OF_RANGE,
+    }
+
+
+def read_metadata(model: onnx.ModelProto) -> dict:
+    """The export settings written by ``preset_metadata``: preset (a Preset), dtype, seed, ..."""
+    props = {p.key.removeprefix(METADATA_PREFIX): p.value for p in model.metadata_props
+             if p.key.startswith(METADATA_PREFIX)}
+    if "preset" not in props:
+        raise ExportError("the file has no rope_export metadata; was it written by `rope-export export`?")
+    return {
+        "preset": Preset.from_dict(json.loads(props["preset"]), origin="model metadata"),
+        "dtype": props.get("dtype", "fp32"),
+        "seed": int(props.get("seed", "0")),
+        "cache_len": int(props["cache_len"]) if props.get("cache_len") else None,
+        "decode": props.get("decode") == "1",
+    }
+
+
+def export(
+    preset: str | Path | Preset = "tiny",
+    output: str | os.PathLike | None = None,
+    *,
+    dtype: str = "fp32",
+    opset: int = 23,
+    decode: bool = False,
+    seed: int = 0,
+    cache_len: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    verbose: bool = False,
+) -> ExportResult:
+    """Export a preset's block (seeded random weights) and, with ``output``, write it atomically."""
+    say = progress or (lambda message: None)
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    _check_opset(opset)
+    if output is not None:
+        _check_writable(Path(output))
+    preset = preset if isinstance(preset, Preset) else load_preset(preset)
+    say(f"building the {preset.name} block ({dtype}, seed {seed})")
+    block = preset.build_block(DTYPES[dtype], seed=seed, cache_len=cache_len)
+    inputs = example_inputs(preset, DTYPES[dtype], decode)
+    say("exporting with torch.export + the rope_export translation (this takes a few seconds)")
+    metadata = preset_metadata(preset, dtype, seed, cache_len, decode)
+    model = export_block(block, inputs, opset=opset, decode=decode, metadata=metadata, verbose=verbose)
+    say("checking the file (onnx.checker, full check)")
+    onnx.checker.check_model(model, full_check=True)
+    if output is not None:
+        say(f"writing {output}")
+        save_model(model, output)
+    return ExportResult(model, None if output is None else Path(output), preset, dtype, decode)
+
+
+def _check_writable(path: Path) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ExportError(f"cannot write {path}: the folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ExportError(f"cannot write {path}: permission denied; choose a writable path")
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write atomically; a model over protobuf's 2 GB limit keeps its weights in ``<name>.data``."""
+    path = Path(path)
+    if model.ByteSize() < EXTERNAL_DATA_THRESHOLD:
+        with atomic_path(path) as tmp:
+            onnx.save_model(model, tmp)
+        return
+    data_name = path.name + ".data"
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # saving with external data rewrites the proto in place; keep the caller's intact
+    model = copy
+    with atomic_path(path.with_name(data_name)) as tmp_data, atomic_path(path) as tmp_model:
+        # The data file is written under its temporary name, then renamed before the model that
+        # names it, so a reader never finds a model pointing at missing or partial data.
+        onnx.save_model(model, tmp_model, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=tmp_data.name, size_threshold=1024)
+        _relocate_external_data(tmp_model, tmp_data.name, data_name)
+
+
+def _relocate_external_data(model_path: Path, old: str, new: str) -> None:
+    model = onnx.load_model(model_path, load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
+    onnx.save_model(model, model_path)
+
+
+def summarize(model: onnx.ModelProto) -> dict:
+    """Node counts and the graph inputs with their dims (symbolic names for dynamic ones)."""
+    def dims(value) -> list:
+        return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+    ops: dict[str, int] = {}
+    for node in model.graph.node:
+        key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+        ops[key] = ops.get(key, 0) + 1
+    return {
+        "nodes": len(model.graph.node),
+        "custom_nodes": count_rotary_nodes(model),
+        "ops": dict(sorted(ops.items())),
+        "inputs": {v.name: dims(v) for v in model.graph.input},
+        "outputs": {v.name: dims(v) for v in model.graph.output},
+        "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+    }
+
+
+def decomposed_export(preset: Preset, dtype: str = "fp32", decode: bool = False, opset: int = 23,
+                      cache_len: int | None = None) -> onnx.ModelProto:
+    """A plain torch.onnx.export of the same block with RoPE written as plain torch ops."""
+    block = preset.build_block(DTYPES[dtype], cache_len=cache_len)
+    for module in block.modules():
+        if hasattr(module, "mode"):
+            module.mode = "decomposed"
+    with torch.no_grad(), _quiet_exporter(False):
+        program = torch.onnx.export(
+            block, example_inputs(preset, DTYPES[dtype], decode), dynamo=True, opset_version=opset,
+            input_names=list(INPUT_NAMES[: 4 if decode else 2]), output_names=list(OUTPUT_NAMES),
+            dynamic_shapes=_dynamic_shapes(decode),
+        )
+    return program.model_proto
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export", help="export a preset's attention block to ONNX with one rotary node per rotated tensor"
+    )
+    parser.add_argument("--preset", default="tiny", help="preset name or .toml path (default tiny)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="precision of the whole file")
+    parser.add_argument("--opset", type=int, default=23, help=f"ai.onnx opset ({MIN_OPSET} or newer, default 23)")
+    parser.add_argument("--decode", action="store_true",
+                        help="add past_key/past_value inputs: one file for prefill (past 0) and decode")
+    parser.add_argument("--cache-len", type=int, default=None,
+                        help="rows of the cos/sin caches (default: the preset's max_position_embeddings)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser.add_argument("--compare-decomposed", action="store_true",
+                        help="also export the block with decomposed RoPE and report the node-count reduction")
+    parser.add_argument("--verbose", action="store_true", help="show torch.onnx's own messages")
+    parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    with console.status("exporting") as status:
+        def progress(message: str) -> None:
+            status.update(message)
+            console.log(message)
+
+        result = export(args.preset, args.output, dtype=args.dtype, opset=args.opset, decode=args.decode,
+                        seed=args.seed, cache_len=args.cache_len, progress=progress, verbose=args.verbose)
+        baseline = None
+        if args.compare_decomposed:
+            progress("exporting the same block with decomposed RoPE, for comparison")
+            baseline = decomposed_export(result.preset, args.dtype, args.decode, args.opset, args.cache_len)
+    summary = summarize(result.model)
+    table = Table(title=f"{result.path} ({result.preset.name}, {args.dtype})")
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("nodes", str(summary["nodes"]))
+    table.add_row(f"{contract.DOMAIN}::{contract.OP_TYPE} nodes", str(summary["custom_nodes"]))
+    for name, dims in summary["inputs"].items():
+        table.add_row(f"input {name}", str(dims))
+    for name, dims in summary["outputs"].items():
+        table.add_row(f"output {name}", str(dims))
+    table.add_row("opsets", str(summary["opsets"]))
+    if baseline is not None:
+        plain = len(baseline.graph.node)
+        table.add_row("nodes with decomposed RoPE", f"{plain} ({plain - summary['nodes']} fewer with the op, "
+                      f"{summary['nodes'] / plain:.0%} of the plain export)")
+    console.print(table)
+    return 0
