@@ -15,7 +15,15 @@ import onnx
 from onnx import defs, helper
 from onnx.reference.op_run import OpRun
 
-from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION, RotaryAttrs, resolve_shape
+from rope_export.contract import (
+    DOMAIN,
+    OP_TYPE,
+    OP_VERSION,
+    RotaryAttrs,
+    RotaryContractError,
+    check_dtypes,
+    resolve_shape,
+)
 
 _FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
@@ -84,6 +92,11 @@ def rotary_numpy(x, cos_cache, sin_cache, position_ids=None, *, interleaved=0, n
     shape = resolve_shape(
         x.shape, cos_cache.shape, sin_cache.shape, None if position_ids is None else position_ids.shape, attrs
     )
+    if cos_cache.dtype != sin_cache.dtype:
+        raise RotaryContractError(
+            f"cos_cache ({cos_cache.dtype.name}) and sin_cache ({sin_cache.dtype.name}) must have the same dtype"
+        )
+    check_dtypes(x.dtype.name, cos_cache.dtype.name, None if position_ids is None else position_ids.dtype.name)
     cos, sin = cos_cache.astype(np.float32), sin_cache.astype(np.float32)
     if position_ids is not None:
         valid = (position_ids >= 0) & (position_ids < shape.max_pos)
