@@ -1,0 +1,298 @@
+// The CPU twin: the kernels' per-thread code (rotary/rotary_kernel.cuh) driven by a host loop over
+// the same grid the CUDA launcher uses, plus the C ABI over the TensorRT-free core.
+#include "rope_c_api.h"
+
+#include "../core/rope_core.h"
+#include "../rotary/rotary_problem.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace
+{
+
+int32_t report(std::string const& msg, char* err, int64_t err_len)
+{
+    if (err != nullptr && err_len > 0)
+    {
+        size_t const n = std::min(msg.size(), static_cast<size_t>(err_len - 1));
+        std::memcpy(err, msg.data(), n);
+        err[n] = '\0';
+    }
+    return 1;
+}
+
+rope::Dims to_dims(int64_t const* d, int32_t rank)
+{
+    rope::Dims out;
+    out.rank = rank;
+    for (int32_t i = 0; i < rank && i < rope::kMaxRank; ++i)
+    {
+        out.d[i] = d[i];
+    }
+    return out;
+}
+
+bool bad_rank(int32_t rank)
+{
+    return rank < 0 || rank > rope::kMaxRank;
+}
+
+int32_t copy_out(std::string const& s, char* out, int64_t out_len)
+{
+    if (out == nullptr || out_len <= static_cast<int64_t>(s.size()))
+    {
+        return 1;
+    }
+    std::memcpy(out, s.c_str(), s.size() + 1);
+    return 0;
+}
+
+// The host loop: every (block, thread) of the launch, in order. Threads of a block never touch the
+// same output element, so the order does not matter.
+template <class K>
+void run_grid(rope::Problem const& p, rope::Plan const& l, int64_t block_begin, int64_t block_end)
+{
+    for (int64_t bx = block_begin; bx < block_end; ++bx)
+    {
+        for (int64_t by = 0; by < l.grid_y; ++by)
+        {
+            for (int64_t ty = 0; ty < l.block_y; ++ty)
+            {
+                for (int64_t tx = 0; tx < l.block_x; ++tx)
+                {
+                    K::run_thread(p, l, rope::Idx2{bx, by}, rope::Idx2{tx, ty});
+                }
+            }
+        }
+    }
+}
+
+} // namespace
+
+extern "C" {
+
+int32_t rope_c_api_version(void)
+{
+    return ROPE_C_API_VERSION;
+}
+
+char const* rope_plugin_name(void)
+{
+    return rope::kPluginName;
+}
+
+char const* rope_plugin_version(void)
+{
+    return rope::kPluginVersion;
+}
+
+char const* rope_plugin_namespace(void)
+{
+    return rope::kPluginNamespace;
+}
+
+int32_t rope_resolve_shape(int64_t const* x, int32_t x_rank, int64_t const* cos, int32_t cos_rank, int64_t const* sin,
+    int32_t sin_rank, int64_t const* position_ids, int32_t position_ids_rank, int64_t interleaved, int64_t num_heads,
+    int64_t rotary_embedding_dim, RopeGeometry* out, char* err, int64_t err_len)
+{
+    if (bad_rank(x_rank) || bad_rank(cos_rank) || bad_rank(sin_rank) || position_ids_rank > rope::kMaxRank)
+    {
+        return report("tensor ranks must be in [0, 8]", err, err_len);
+    }
+    rope::Dims const xd = to_dims(x, x_rank);
+    rope::Dims const cd = to_dims(cos, cos_rank);
+    rope::Dims const sd = to_dims(sin, sin_rank);
+    rope::Dims const pd = position_ids_rank >= 0 ? to_dims(position_ids, position_ids_rank) : rope::Dims{};
+    rope::Attrs const attrs{interleaved, num_heads, rotary_embedding_dim};
+    rope::Geometry g;
+    std::string msg;
+    if (!rope::resolve_shape(xd, cd, sd, position_ids_rank >= 0 ? &pd : nullptr, attrs, g, msg))
+    {
+        return report(msg, err, err_len);
+    }
+    if (out != nullptr)
+    {
+        *out = RopeGeometry{g.batch, g.seq, g.heads, g.head_dim, g.rotary_dim, g.max_pos, g.layout_bhsd ? 1 : 0};
+    }
+    return 0;
+}
+
+int32_t rope_check_ranks(int32_t x_rank, int32_t cos_rank, int32_t sin_rank, int32_t position_ids_rank,
+    int64_t num_heads, int64_t rotary_embedding_dim, char* err, int64_t err_len)
+{
+    std::string msg;
+    if (!rope::check_ranks(x_rank, cos_rank, sin_rank, position_ids_rank, rope::Attrs{0, num_heads, rotary_embedding_dim},
+            msg))
+    {
+        return report(msg, err, err_len);
+    }
+    return 0;
+}
+
+int32_t rope_check_dtypes(
+    char const* x_dtype, char const* cache_dtype, char const* position_ids_dtype, char* err, int64_t err_len)
+{
+    std::string const pos = position_ids_dtype ? position_ids_dtype : "";
+    std::string msg;
+    if (!rope::check_dtypes(x_dtype ? x_dtype : "", cache_dtype ? cache_dtype : "",
+            position_ids_dtype ? &pos : nullptr, msg))
+    {
+        return report(msg, err, err_len);
+    }
+    return 0;
+}
+
+int32_t rope_parse_fields(
+    RopeField const* fields, int32_t count, int32_t phase, int64_t out[3], char* err, int64_t err_len)
+{
+    if (phase != 0 && phase != 1)
+    {
+        return report("phase must be 0 (build) or 1 (runtime)", err, err_len);
+    }
+    // RopeField and rope::Field have the same members; copy rather than pun.
+    std::vector<rope::Field> fs;
+    if (fields != nullptr && count > 0)
+    {
+        fs.reserve(static_cast<size_t>(count));
+        for (int32_t i = 0; i < count; ++i)
+        {
+            fs.push_back(
+                rope::Field{fields[i].name, fields[i].data, static_cast<rope::FieldType>(fields[i].type), fields[i].length});
+        }
+    }
+    rope::Attrs attrs;
+    std::string msg;
+    if (!rope::parse_fields(fields == nullptr ? nullptr : fs.data(), count, static_cast<rope::Phase>(phase), attrs, msg))
+    {
+        return report(msg, err, err_len);
+    }
+    out[0] = attrs.interleaved;
+    out[1] = attrs.num_heads;
+    out[2] = attrs.rotary_embedding_dim;
+    return 0;
+}
+
+int32_t rope_serialize_fields(
+    int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim, RopeField fields[3], int32_t values[3])
+{
+    rope::Attrs const attrs{interleaved, num_heads, rotary_embedding_dim};
+    int32_t vals[rope::kNumFields];
+    rope::Field fs[rope::kNumFields];
+    rope::serialize_fields(attrs, vals, fs);
+    for (int32_t k = 0; k < rope::kNumFields; ++k)
+    {
+        values[k] = vals[k];
+        fields[k] = RopeField{fs[k].name, &values[k], static_cast<int32_t>(fs[k].type), fs[k].length};
+    }
+    return 0;
+}
+
+int32_t rope_metadata_string(
+    int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim, char* out, int64_t out_len)
+{
+    return copy_out(rope::metadata_string(rope::Attrs{interleaved, num_heads, rotary_embedding_dim}), out, out_len);
+}
+
+int32_t rope_supports_combination(
+    int32_t pos, char const* const* dtypes, int32_t const* linear, int32_t nb_inputs, int32_t nb_outputs)
+{
+    std::string msg;
+    // Counts first: the arrays hold nb_inputs + nb_outputs entries only when the counts are valid.
+    if (dtypes == nullptr || linear == nullptr || !rope::check_io_counts(nb_inputs, nb_outputs, msg))
+    {
+        return 0;
+    }
+    bool lin[8] = {};
+    for (int32_t i = 0; i < nb_inputs + nb_outputs; ++i)
+    {
+        lin[i] = linear[i] != 0;
+    }
+    return rope::supports_combination(pos, dtypes, lin, nb_inputs, nb_outputs) ? 1 : 0;
+}
+
+int32_t rope_output_dtype(char const* const* input_dtypes, int32_t nb_inputs, int32_t nb_outputs, char* out,
+    int64_t out_len, char* err, int64_t err_len)
+{
+    std::string dtype;
+    std::string msg;
+    if (!rope::output_dtype(input_dtypes, nb_inputs, nb_outputs, dtype, msg))
+    {
+        return report(msg, err, err_len);
+    }
+    if (copy_out(dtype, out, out_len) != 0)
+    {
+        return report("output buffer too small", err, err_len);
+    }
+    return 0;
+}
+
+int32_t rope_twin_run(RopeTwinArgs const* a, RopeTwinPlan* plan_out, char* err, int64_t err_len)
+{
+    if (a == nullptr)
+    {
+        return report("no arguments", err, err_len);
+    }
+    bool const has_pos = a->position_ids_rank >= 0;
+    if (bad_rank(a->x_rank) || bad_rank(a->cos_rank) || bad_rank(a->sin_rank) || a->position_ids_rank > rope::kMaxRank)
+    {
+        return report("tensor ranks must be in [0, 8]", err, err_len);
+    }
+    rope::Dims const pd = has_pos ? to_dims(a->position_ids_shape, a->position_ids_rank) : rope::Dims{};
+    rope::Attrs const attrs{a->interleaved, a->num_heads, a->rotary_embedding_dim};
+    rope::Geometry g;
+    std::string msg;
+    // Same order as rope_export.reference.rotary_embedding: shapes, then cos/sin dtypes, then dtypes.
+    if (!rope::resolve_shape(to_dims(a->x_shape, a->x_rank), to_dims(a->cos_shape, a->cos_rank),
+            to_dims(a->sin_shape, a->sin_rank), has_pos ? &pd : nullptr, attrs, g, msg))
+    {
+        return report(msg, err, err_len);
+    }
+    if (a->interleaved != 0 && a->interleaved != 1)
+    {
+        return report("interleaved must be 0 or 1, got " + std::to_string(a->interleaved), err, err_len);
+    }
+    std::string const xt = a->x_dtype ? a->x_dtype : "";
+    std::string const ct = a->cos_dtype ? a->cos_dtype : "";
+    std::string const st = a->sin_dtype ? a->sin_dtype : "";
+    std::string const pt = a->position_ids_dtype ? a->position_ids_dtype : "";
+    if (ct != st)
+    {
+        return report("cos_cache (" + ct + ") and sin_cache (" + st + ") must have the same dtype", err, err_len);
+    }
+    if (!rope::check_dtypes(xt, ct, has_pos ? &pt : nullptr, msg))
+    {
+        return report(msg, err, err_len);
+    }
+    rope::StorageType x_type{};
+    rope::StorageType cache_type{};
+    rope::storage_type(xt, x_type);
+    rope::storage_type(ct, cache_type);
+    int64_t const elems = g.batch * g.seq * g.heads * g.head_dim;
+    if (elems > 0 && (a->x == nullptr || a->out == nullptr || a->cos_cache == nullptr || a->sin_cache == nullptr
+                         || (has_pos && a->position_ids == nullptr)))
+    {
+        return report("a tensor pointer is null", err, err_len);
+    }
+    rope::Problem const p = rope::make_problem(
+        g, a->interleaved != 0, x_type, cache_type, a->x, a->cos_cache, a->sin_cache, a->position_ids, a->out);
+    rope::Plan const l = rope::make_plan(p, a->force_scalar != 0);
+    if (plan_out != nullptr)
+    {
+        *plan_out = RopeTwinPlan{l.vectorized ? 1 : 0, l.pairs_per_unit, l.tail_elems, l.rot_units, l.units, l.block_x,
+            l.block_y, l.grid_y, l.grid_x, l.tokens};
+    }
+    int64_t const begin = std::max<int64_t>(a->block_begin, 0);
+    int64_t const end = a->block_end < 0 ? l.grid_x : std::min(a->block_end, l.grid_x);
+    if (elems == 0 || begin >= end)
+    {
+        return 0;
+    }
+    bool const ok = rope::dispatch(p, l, [&](auto kernel) { run_grid<decltype(kernel)>(p, l, begin, end); });
+    return ok ? 0 : report("unsupported dtype combination", err, err_len);
+}
+
+} // extern "C"

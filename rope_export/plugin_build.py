@@ -1,0 +1,145 @@
+"""``rope-export build-plugin``: configure and build ``plugins/`` with CMake into ``build/plugins``.
+
+What gets built depends on the machine (see plugins/CMakeLists.txt): the CPU twin always, the
+CUDA kernels when nvcc is found, the TensorRT glue when TensorRT headers are found
+(``--tensorrt-include-dir`` or ``$TENSORRT_INCLUDE_DIR``), the loadable plugin library when
+libnvinfer is found too. The summary says what was built and what was skipped, and why.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rope_export.cli import CLIError
+from rope_export.plugin import PLUGIN_DIR_ENV, default_build_dir, plugin_dir, source_root
+
+
+@dataclass
+class BuildOptions:
+    build_dir: Path = field(default_factory=default_build_dir)
+    tensorrt_include_dir: str | None = None
+    tensorrt_lib_dir: str | None = None
+    cuda: bool = True
+    cuda_archs: str = "80;90"
+    sanitize: bool = True
+    werror: bool = False
+    jobs: int = 2
+    build_type: str = "Release"
+
+
+def plugins_source_dir() -> Path:
+    return source_root() / "plugins"
+
+
+def configure_command(opts: BuildOptions) -> list[str]:
+    cmd = [
+        "cmake", "-S", str(plugins_source_dir()), "-B", str(opts.build_dir),
+        f"-DCMAKE_BUILD_TYPE={opts.build_type}",
+        f"-DROPE_EXPORT_CUDA={'ON' if opts.cuda else 'OFF'}",
+        f"-DROPE_EXPORT_CUDA_ARCHS={opts.cuda_archs}",
+        f"-DROPE_EXPORT_SANITIZE={'ON' if opts.sanitize else 'OFF'}",
+        f"-DROPE_EXPORT_WERROR={'ON' if opts.werror else 'OFF'}",
+    ]  # fmt: skip
+    # Always pass both, so a value dropped from the command line is dropped from the cache too.
+    cmd.append(f"-DTENSORRT_INCLUDE_DIR={opts.tensorrt_include_dir or ''}")
+    cmd.append(f"-DTENSORRT_LIB_DIR={opts.tensorrt_lib_dir or ''}")
+    return cmd
+
+
+def _run(cmd: list[str], quiet: bool) -> None:
+    if not quiet:
+        print("+ " + " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd).returncode
+        output = ""
+    else:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        rc, output = proc.returncode, proc.stdout
+    if rc:
+        tail = "\n".join(output.strip().splitlines()[-40:])
+        raise CLIError(f"`{' '.join(cmd[:2])} ...` failed (exit {rc})" + (f":\n{tail}" if tail else ""))
+
+
+def build_plugins(opts: BuildOptions | None = None, quiet: bool = False) -> str:
+    """Configure and build; returns the summary (what was built, what was skipped)."""
+    opts = opts or BuildOptions()
+    if shutil.which("cmake") is None:
+        raise CLIError("cmake not found on PATH; install CMake >= 3.18 (e.g. `apt-get install cmake`)")
+    if opts.tensorrt_include_dir and not (Path(opts.tensorrt_include_dir) / "NvInfer.h").is_file():
+        raise CLIError(
+            f"--tensorrt-include-dir {opts.tensorrt_include_dir} holds no NvInfer.h; point it at TensorRT's include/"
+        )
+    opts.build_dir.mkdir(parents=True, exist_ok=True)
+    _run(configure_command(opts), quiet)
+    _run(["cmake", "--build", str(opts.build_dir), "-j", str(opts.jobs)], quiet)
+    return (opts.build_dir / "summary.txt").read_text()
+
+
+def ensure_built(quiet: bool = True) -> Path:
+    """The folder with the built libraries, building build/plugins incrementally first.
+
+    With $ROPE_EXPORT_PLUGIN_DIR set, that folder is used as it is. An existing build folder keeps
+    the options it was configured with (``make plugin`` or ``rope-export build-plugin``).
+    """
+    if os.environ.get(PLUGIN_DIR_ENV):
+        return plugin_dir()
+    opts = BuildOptions()
+    opts.build_dir.mkdir(parents=True, exist_ok=True)
+    with open(opts.build_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers build one at a time
+        if (opts.build_dir / "CMakeCache.txt").is_file():
+            _run(["cmake", "--build", str(opts.build_dir), "-j", str(opts.jobs)], quiet)
+        else:
+            build_plugins(opts, quiet)
+    return opts.build_dir
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "build-plugin",
+        help="build the rotary kernels, their CPU twin and the TensorRT plugin (CMake)",
+        description=__doc__,
+    )
+    p.add_argument("--build-dir", type=Path, default=default_build_dir(), help="default: build/plugins")
+    p.add_argument(
+        "--tensorrt-include-dir",
+        default=os.environ.get("TENSORRT_INCLUDE_DIR"),
+        help="folder with NvInfer.h (TensorRT 10.x/11.x); default $TENSORRT_INCLUDE_DIR",
+    )
+    p.add_argument(
+        "--tensorrt-lib-dir",
+        default=os.environ.get("TENSORRT_LIB_DIR"),
+        help="folder with libnvinfer.so; default $TENSORRT_LIB_DIR",
+    )
+    p.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels even if nvcc is found")
+    p.add_argument("--cuda-archs", default="80;90", help="SM architectures, ';'-separated (default: 80;90)")
+    p.add_argument("--no-sanitize", action="store_true", help="skip the ASan/UBSan driver of the CPU twin")
+    p.add_argument("--werror", action="store_true", help="treat warnings in our code as errors")
+    p.add_argument("-j", "--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
+    p.add_argument("--build-type", default="Release", choices=["Release", "RelWithDebInfo", "Debug"])
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    archs = args.cuda_archs.replace(",", ";")
+    if not all(a.strip().isdigit() for a in archs.split(";")):
+        raise CLIError(f"--cuda-archs {args.cuda_archs!r}: give SM numbers such as 80;90")
+    opts = BuildOptions(
+        build_dir=args.build_dir,
+        tensorrt_include_dir=args.tensorrt_include_dir,
+        tensorrt_lib_dir=args.tensorrt_lib_dir,
+        cuda=not args.no_cuda,
+        cuda_archs=archs,
+        sanitize=not args.no_sanitize,
+        werror=args.werror,
+        jobs=args.jobs,
+        build_type=args.build_type,
+    )
+    summary = build_plugins(opts)
+    sys.stdout.write(summary)
+    return 0
