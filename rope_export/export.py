@@ -210,6 +210,11 @@ def read_metadata(model: onnx.ModelProto) -> dict:
     """The export settings written by ``preset_metadata``: preset (a Preset), dtype, seed, ..."""
     props = {p.key.removeprefix(METADATA_PREFIX): p.value for p in model.metadata_props
              if p.key.startswith(METADATA_PREFIX)}
+    if props.get("source") == "transformers":
+        raise ExportError(
+            "the file was exported from a transformers model (`export --hf`); check rebuilds preset blocks "
+            "only, so compare it with transformers itself (see tests/test_hf.py for the recipe)"
+        )
     if "preset" not in props:
         raise ExportError("the file has no rope_export metadata; was it written by `rope-export export`?")
     return {
@@ -344,6 +349,9 @@ def register(subparsers) -> None:
                         help="also export the block with decomposed RoPE and report the node-count reduction")
     parser.add_argument("--verbose", action="store_true", help="show torch.onnx's own messages")
     parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    from rope_export.hf import register_hf_arguments  # here, not at the top: rope_export.hf imports this module
+
+    register_hf_arguments(parser)
     parser.set_defaults(func=_run)
 
 
@@ -351,6 +359,10 @@ def _run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from rope_export import hf
+
+    if hf.wants_hf_export(args):
+        return hf.run_hf_export(args)
     console = Console()
     with console.status("exporting") as status:
         def progress(message: str) -> None:
