@@ -1,0 +1,79 @@
+"""``lower(model, target)``: replace every rope_export::RotaryEmbedding node by a target's form.
+
+One registry, ``TARGETS``: adding a target is adding a rule file and an entry here.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from rope_export.contract import DOMAIN, OP_TYPE
+from rope_export.passes._lowering import LoweringLog, LowerRotary
+from rope_export.passes._model import (
+    PassError,
+    drop_unused_opsets,
+    from_ir,
+    infer_shapes,
+    to_ir,
+)
+from rope_export.passes.lower_decomposed import LowerToDecomposed
+from rope_export.passes.lower_onnx import LowerToOnnx
+from rope_export.passes.lower_ort import LowerToOrt
+from rope_export.passes.lower_trt_plugin import LowerToTrtPlugin
+
+TARGETS: dict[str, type[LowerRotary]] = {
+    "trt-plugin": LowerToTrtPlugin,
+    "onnx": LowerToOnnx,
+    "ort": LowerToOrt,
+    "decomposed": LowerToDecomposed,
+}
+
+TARGET_HELP = {
+    "trt-plugin": "RotaryEmbedding for TensorRT with the rope_export plugin library loaded",
+    "onnx": "ai.onnx RotaryEmbedding-23 (onnxruntime CPU/CUDA, TensorRT >= 10.15, onnx.reference)",
+    "ort": "com.microsoft RotaryEmbedding (onnxruntime CPU/CUDA/DML/WebGPU)",
+    "decomposed": "primitive ops only (runs anywhere)",
+}
+
+
+def _custom_nodes(model: ir.Model) -> list[ir.Node]:
+    nodes = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == DOMAIN and n.op_type == OP_TYPE]
+    for function in model.functions.values():
+        nodes += [n for n in function if n.domain == DOMAIN and n.op_type == OP_TYPE]
+    return nodes
+
+
+def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog | None = None):
+    """Lower every rope_export::RotaryEmbedding node of ``model`` to ``target``.
+
+    ``model``: an onnx.ModelProto (returned as a new ModelProto), an onnx_ir.Model (lowered in
+    place and returned; use the return value, an opset conversion may replace it) or a path.
+    ``guard_positions`` (targets onnx and ort): keep the contract's pass-through for positions
+    outside the cache by gathering per-token caches in the graph (default); False feeds
+    position_ids to the op directly, which is faster but requires in-range positions.
+    ``log``: a LoweringLog to receive the lowered node names and notes (e.g. missing kernels).
+    Raises PassError naming the node, the problem and a target that can express it.
+    """
+    if target not in TARGETS:
+        raise PassError(f"unknown target {target!r}; choose one of: {', '.join(TARGETS)}")
+    log = log if log is not None else LoweringLog()
+    ir_model, kind = to_ir(model)
+    if not _custom_nodes(ir_model):
+        log.note(f"no {DOMAIN}::{OP_TYPE} node in the model; nothing to lower")
+        return from_ir(ir_model, kind)
+    rule_class = TARGETS[target]
+    ir_model = rule_class.prepare(ir_model)
+    infer_shapes(ir_model)
+    rule = rule_class(guard_positions=guard_positions, log=log)
+    pattern.RewriteRuleSet([rule.as_rule()]).apply_to_model(ir_model)
+    left = _custom_nodes(ir_model)
+    if left:
+        reasons = "; ".join(f"{label}: {why}" for label, why in log.failures.items()) or "no reason recorded"
+        raise PassError(
+            f"target {target!r} cannot express {len(left)} {OP_TYPE} node(s): {reasons}. "
+            f"Targets: {', '.join(TARGETS)} (decomposed runs anywhere)"
+        )
+    drop_unused_opsets(ir_model)
+    infer_shapes(ir_model)
+    return from_ir(ir_model, kind)

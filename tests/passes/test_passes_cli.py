@@ -1,0 +1,72 @@
+"""``rope-export lower`` and ``rope-export fuse`` through the project's CLI entry point."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from passes_util import rotary_case, run_ort
+from test_passes_fuse_rules import Rope, torchscript
+
+from rope_export import cli
+from rope_export.contract import DOMAIN
+from rope_export.tolerances import tolerance
+
+
+@pytest.fixture
+def main(monkeypatch):
+    if "rope_export.passes.cli" not in cli.COMMAND_MODULES:
+        monkeypatch.setattr(cli, "COMMAND_MODULES", [*cli.COMMAND_MODULES, "rope_export.passes.cli"])
+    return cli.main
+
+
+@pytest.mark.parametrize("target", ["trt-plugin", "onnx", "ort", "decomposed"])
+def test_lower_writes_the_lowered_file(main, tmp_path, capsys, target):
+    model, feeds, expected = rotary_case(x_dtype="float16", cache_dtype="float32", rd=8)
+    src, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(model, src)
+    assert main(["lower", str(src), "--target", target, "-o", str(out)]) == 0
+    assert f"lowered 1 RotaryEmbedding node(s) to {target}" in capsys.readouterr().out
+    lowered = onnx.load(out)
+    assert DOMAIN not in {n.domain for n in lowered.graph.node}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx", "out.onnx"]  # no temporary left
+    if target != "trt-plugin":
+        assert tolerance("op", "float16").allclose(run_ort(lowered, feeds)[0], expected)
+
+
+def test_lower_trust_positions_feeds_position_ids(main, tmp_path):
+    model, _, _ = rotary_case()
+    onnx.save(model, tmp_path / "in.onnx")
+    argv = ["lower", str(tmp_path / "in.onnx"), "-t", "onnx", "--trust-positions", "-o", str(tmp_path / "o.onnx")]
+    assert main(argv) == 0
+    (rope,) = [n for n in onnx.load(tmp_path / "o.onnx").graph.node if n.op_type == "RotaryEmbedding"]
+    assert rope.input[3] == "pos"
+
+
+def test_lower_errors_name_the_problem(main, tmp_path, capsys):
+    assert main(["lower", str(tmp_path / "missing.onnx"), "-t", "onnx", "-o", str(tmp_path / "o.onnx")]) == 2
+    assert "no such ONNX file" in capsys.readouterr().err
+    (tmp_path / "junk.onnx").write_bytes(b"not a model")
+    assert main(["lower", str(tmp_path / "junk.onnx"), "-t", "onnx", "-o", str(tmp_path / "o.onnx")]) == 2
+    assert "not a readable ONNX file" in capsys.readouterr().err
+    model, _, _ = rotary_case(layout="bhsd", rd=8, static_dims=False)
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "h"
+    onnx.save(model, tmp_path / "in.onnx")
+    assert main(["lower", str(tmp_path / "in.onnx"), "-t", "ort", "-o", str(tmp_path / "o.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "rope-export lower: error:" in err and "--target onnx or --target decomposed" in err
+    assert not (tmp_path / "o.onnx").exists()
+    with pytest.raises(SystemExit) as exc:
+        main(["lower", str(tmp_path / "in.onnx"), "-t", "tensorrt", "-o", str(tmp_path / "o.onnx")])
+    assert exc.value.code == 2
+
+
+def test_fuse_prints_the_table_and_writes_the_file(main, tmp_path, capsys):
+    onnx.save(torchscript(Rope("table")), tmp_path / "in.onnx")
+    onnx.save(torchscript(Rope("computed-not-duplicated")), tmp_path / "odd.onnx")
+    assert main(["fuse", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "fused" in out and "table + position_ids" in out and "fused 1 site(s)" in out
+    assert sum(n.domain == DOMAIN for n in onnx.load(tmp_path / "out.onnx").graph.node) == 1
+    assert main(["fuse", str(tmp_path / "odd.onnx"), "-o", str(tmp_path / "odd_out.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "left alone" in out and "fused 0 site(s)" in out
