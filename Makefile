@@ -18,7 +18,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The CPU twin (always), its sanitizer driver, the CUDA objects when nvcc is present, the TensorRT
+# glue when its headers are found; see `rope-export build-plugin --help`.
 plugin: setup
+	$(PY) -m rope_export.cli build-plugin --werror
 
 demo: setup plugin
 	$(VENV)/bin/rope-export demo
@@ -30,4 +33,4 @@ test: lint plugin
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build out .pytest_cache .ruff_cache .hypothesis

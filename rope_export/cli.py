@@ -14,6 +14,10 @@ import sys
 COMMAND_MODULES = [
     "rope_export.presets",
     "rope_export.export",
+    "rope_export.passes.cli",
+    "rope_export.check",
+    "rope_export.plugin_build",
+    "rope_export.trt",
     "rope_export.demo",
 ]
 

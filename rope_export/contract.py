@@ -18,7 +18,7 @@ TORCH_OP_NAME = "rope_export::rotary_embedding"
 # What a position outside [0, max_pos) does: the token is passed through unchanged (identity
 # rotation, cos=1 and sin=0), and no implementation reads outside the cache. Chosen because a GPU
 # kernel cannot raise, because onnxruntime's CUDA kernel already behaves so, and because it keeps
-# padding positions (often -1) harmless. ``rope-export check`` flags such positions in its inputs.
+# padding positions (often -1) harmless. ``rope-export check`` feeds such positions on purpose.
 OUT_OF_RANGE = "pass-through"
 
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")

@@ -1,24 +1,39 @@
-"""``rope-export demo``: the main job on the built-in default preset.
+"""``rope-export demo`` (what ``make demo`` runs): the whole product on the built-in default.
 
-Runs the default block in PyTorch (prefill, then decode steps with the KV cache) and prints its
-RoPE configuration and output statistics; checks that decoding token by token reproduces the
-prefill output, which exercises positions, the cache and the rotary op end to end.
+Exports the default preset with one rotary node per rotated tensor, lowers it to every target,
+builds the plugin's CPU twin, validates every artefact against PyTorch on RoPE stress inputs
+(``rope_export.check``), and prints one table: target, runtime, max error, pass/fail, latency.
+With TensorRT and a GPU present the engine joins the table; otherwise its row says why not.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
-import torch
+from rope_export.check import check
+from rope_export.export import export, save_model
+from rope_export.presets import DEFAULT_PRESET
 
-from rope_export.presets import DEFAULT_PRESET, load_preset
-from rope_export.tolerances import tolerance
+DEFAULT_OUT = "out/demo"
+CACHE_LEN = 256  # keeps the demo fast; `rope-export export` defaults to the preset's max position
+
+# (artefact, runners that validate it). The custom-op file is also run through the plugin's
+# CPU twin: the kernel code compared inside a whole block.
+PLAN = [
+    ("custom-op", ("onnx-reference", "cpu-twin")),
+    ("trt-plugin", ("cpu-twin", "tensorrt")),
+    ("onnx", ("onnxruntime-cpu", "onnx-reference", "onnxruntime-cuda")),
+    ("ort", ("onnxruntime-cpu", "onnxruntime-cuda")),
+    ("decomposed", ("onnxruntime-cpu", "onnxruntime-cuda")),
+]
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="run the main job on the built-in default preset")
+    parser = subparsers.add_parser("demo", help="export, lower, build, validate: the whole product on one preset")
     parser.add_argument("--preset", default=DEFAULT_PRESET, help=f"preset name or .toml (default {DEFAULT_PRESET})")
-    parser.add_argument("--seq", type=int, default=32, help="prefill length (default 32)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the artefacts (default {DEFAULT_OUT})")
     parser.set_defaults(func=run)
 
 
@@ -26,43 +41,61 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from rope_export import plugin_build
+    from rope_export.passes import lower
+
     console = Console()
-    preset = load_preset(args.preset)
-    rope, att = preset.rope, preset.attention
-    console.print(f"[bold]preset[/bold] {preset.name} ({preset.family}; {preset.source})")
-    console.print(
-        f"attention: hidden {att.hidden_size}, heads {att.num_heads}/{att.num_kv_heads} (q/kv), head_dim {att.head_dim}"
-    )
-    console.print(f"rope: {rope.to_dict()}")
-    if args.seq < 2 or args.seq > rope.max_position_embeddings:
-        raise ValueError(f"--seq must be in 2..{rope.max_position_embeddings}, got {args.seq}")
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with console.status("starting") as status:
+        def step(message: str) -> None:
+            status.update(message)
+            console.log(message)
 
-    block = preset.build_block(seed=0, cache_len=min(rope.max_position_embeddings, 4096))
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(2, args.seq, att.hidden_size, generator=generator)
-    positions = torch.arange(args.seq).expand(2, -1)
-    with torch.no_grad():
-        block(hidden, positions)  # warm-up: the first call pays one-off dispatch costs
-        start = time.perf_counter()
-        prefill, _, _ = block(hidden, positions)
-        prefill_ms = (time.perf_counter() - start) * 1e3
-        # Prefill all but the last 4 tokens, then decode those one at a time with the KV cache.
-        split = args.seq - 4
-        _, key, value = block(hidden[:, :split], positions[:, :split])
-        decoded = []
-        for step in range(split, args.seq):
-            out, key, value = block(hidden[:, step : step + 1], positions[:, step : step + 1], key, value)
-            decoded.append(out)
-    decoded = torch.cat(decoded, dim=1)
-    error = (decoded - prefill[:, split:]).abs().max().item()
-    ok = tolerance("block", "float32").allclose(decoded, prefill[:, split:])
-
-    table = Table(title=f"{preset.name}: PyTorch block, batch 2, seq {args.seq}")
-    for column in ("check", "value"):
+        step("building the plugin's CPU twin (build/plugins)")
+        plugin_build.ensure_built(quiet=True)
+        step(f"exporting {args.preset} ({args.dtype}) with the rotary custom op")
+        exported = export(args.preset, out / "model.onnx", dtype=args.dtype, decode=True, cache_len=CACHE_LEN)
+        artefacts = {"custom-op": exported.model}
+        for target, _ in PLAN[1:]:
+            step(f"lowering to {target}")
+            try:
+                artefacts[target] = lower(exported.model, target)
+                save_model(artefacts[target], out / f"model.{target}.onnx")
+            except ValueError as exc:  # a target that cannot express this file says which can
+                rows.append((target, "-", "", "skipped", "", str(exc)))
+        for target, runners in PLAN:
+            if target not in artefacts:
+                continue
+            step(f"validating {target} against PyTorch")
+            report = check(artefacts[target], runners)
+            for r in report.runners:
+                rows.append((
+                    target,
+                    r.runner,
+                    "" if r.max_abs is None else f"{r.max_abs:.2e}",
+                    r.status,
+                    "" if r.latency_ms is None else f"{r.latency_ms:.2f} ms",
+                    r.reason,
+                ))
+    table = Table(title=f"rope-export demo: {exported.preset.name} ({args.dtype}), every artefact against PyTorch")
+    for column in ("target", "runtime", "max abs error", "result", "median latency"):
         table.add_column(column)
-    table.add_row("output mean / std", f"{prefill.mean().item():+.4f} / {prefill.std().item():.4f}")
-    table.add_row("output max |x|", f"{prefill.abs().max().item():.4f}")
-    table.add_row("prefill latency", f"{prefill_ms:.2f} ms")
-    table.add_row("decode (KV cache) vs prefill, max abs error", f"{error:.2e}  {'PASS' if ok else 'FAIL'}")
+    notes = []
+    for target, runtime, error, status, latency, reason in rows:
+        style = {"pass": "green", "FAIL": "bold red", "skipped": "yellow"}[status]
+        table.add_row(target, runtime, error, f"[{style}]{status}[/{style}]", latency)
+        if reason:
+            notes.append(f"  {target} / {runtime}: {reason}")
     console.print(table)
-    return 0 if ok else 1
+    for note in notes:
+        console.print(note, markup=False, highlight=False, soft_wrap=True)
+    failed = [f"{t}/{r}" for t, r, _, status, _, _ in rows if status == "FAIL"]
+    console.print(f"artefacts in {out}/ ; {time.perf_counter() - started:.0f} s")
+    if failed:
+        console.print(f"[bold red]FAIL[/bold red]: {', '.join(failed)} disagree with PyTorch "
+                      f"(run `rope-export check {out}/model.<target>.onnx --report DIR` for details)")
+        return 1
+    return 0

@@ -45,16 +45,12 @@ def call_shapes(preset_name):
 
 
 def assert_block_close(got, want, dtype, what):
-    tol = tolerance("block", dtype_name(dtype))
+    tol = tolerance("block", DTYPES[dtype])
     for name, g, w in zip(("output", "present_key", "present_value"), got, want, strict=True):
         g = np.asarray(g, dtype=np.float32)
         w = w.float().numpy()
         assert g.shape == w.shape, f"{what}: {name} shape {g.shape} != {w.shape}"
         assert tol.allclose(g, w), f"{what}: {name} max error {np.abs(g - w).max():.3g}"
-
-
-def dtype_name(dtype):
-    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])

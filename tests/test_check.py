@@ -1,0 +1,122 @@
+"""rope-export check: passes on every correct lowering, fails by name on broken files, writes reports."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from exported import exported_model
+from onnx import helper, numpy_helper
+
+from rope_export import cli
+from rope_export.check import CheckError, check, position_buckets, write_reports
+from rope_export.contract import DOMAIN
+from rope_export.passes import lower
+
+RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu")
+
+
+def custom_model(dtype="fp32"):
+    model = onnx.ModelProto()
+    model.CopyFrom(exported_model("tiny", dtype))
+    return model
+
+
+def rotary_nodes(model):
+    return [n for n in model.graph.node if n.domain == DOMAIN]
+
+
+@pytest.mark.parametrize("target", [None, "trt-plugin", "onnx", "ort", "decomposed"])
+def test_every_correct_lowering_passes(target):
+    model = custom_model() if target is None else lower(custom_model(), target)
+    report = check(model, RUNNERS)
+    ran = [r for r in report.runners if r.status != "skipped"]
+    assert ran, "no runner ran"
+    assert report.passed, report.failure_message()
+    for r in ran:
+        assert set(r.cases) >= {"prefill", "long-sequence", "large-magnitude", "decode-end-of-cache"}
+        assert r.max_abs is not None and r.max_abs < 1e-3
+
+
+def test_half_precision_file_passes_with_half_tolerances():
+    report = check(custom_model("fp16"), ("onnx-reference", "cpu-twin"))
+    assert report.passed, report.failure_message()
+    assert report.tolerance.rtol > 1e-3  # the fp16 block tolerance, not fp32's
+
+
+def flip_interleaved(model):
+    attr = next(a for a in rotary_nodes(model)[0].attribute if a.name == "interleaved")
+    attr.i = 1 - attr.i
+    return model
+
+
+def wrong_cache(model):
+    name = rotary_nodes(model)[0].input[1]
+    init = next(i for i in model.graph.initializer if i.name == name)
+    cos = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array(np.roll(cos, 1, axis=0), name))  # row p holds position p-1
+    return model
+
+
+def position_offset(model):
+    shifted, one = "position_ids_plus_one", "one_i64"
+    model.graph.initializer.append(numpy_helper.from_array(np.array(1, dtype=np.int64), one))
+    for node in rotary_nodes(model):
+        node.input[3] = shifted
+    model.graph.node.insert(0, helper.make_node("Add", ["position_ids", one], [shifted]))
+    return model
+
+
+@pytest.mark.parametrize("breakage", [flip_interleaved, wrong_cache, position_offset])
+def test_broken_file_fails_naming_runner_and_output(breakage, tmp_path, capsys):
+    path = tmp_path / "broken.onnx"
+    onnx.save_model(breakage(custom_model()), path)
+    assert cli.main(["check", str(path), "--runners", ",".join(RUNNERS)]) == 1
+    err = capsys.readouterr().err
+    for runner in RUNNERS:  # every runner runs the broken graph, so every one must disagree
+        assert f"runner {runner} disagrees with PyTorch on" in err
+    assert "/output" in err or "/present_key" in err
+
+
+def test_reports_are_written_and_readable(tmp_path):
+    report = check(custom_model(), RUNNERS)
+    written = write_reports(report, tmp_path / "report")
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted(p.name for p in written)
+    assert [p.name for p in written] == ["check.json", "check.md", "error_vs_position.png"]
+    data = json.loads(written[0].read_text())
+    assert data["passed"] is True and [r["runner"] for r in data["runners"]] == list(RUNNERS)
+    buckets = data["runners"][0]["error_by_position"]
+    assert buckets[0]["from"] == 0 and buckets[-1]["to"] >= 64 - 1  # end of the 64-row cache was exercised
+    assert "| onnx-reference | pass |" in written[1].read_text()
+    import matplotlib.image
+
+    image = matplotlib.image.imread(written[2])
+    assert image.shape[0] > 300 and image.shape[1] > 600  # a real plot, not an empty file
+    assert image[..., :3].std() > 0.05
+
+
+def test_position_buckets_take_the_max_per_bucket():
+    points = [(0, 1.0), (1, 3.0), (6, 2.0), (7, 5.0)]
+    buckets = position_buckets(points, buckets=2)
+    assert buckets == [{"from": 0, "to": 3, "max_abs": 3.0}, {"from": 4, "to": 7, "max_abs": 5.0}]
+
+
+def test_check_rejects_what_it_cannot_check(tmp_path):
+    with pytest.raises(CheckError, match="unknown runner 'gpu'"):
+        check(custom_model(), ("gpu",))
+    with pytest.raises(CheckError, match="no such file"):
+        check(tmp_path / "missing.onnx")
+    bare = custom_model()
+    del bare.metadata_props[:]
+    with pytest.raises(ValueError, match="no rope_export metadata"):
+        check(bare)
+
+
+def test_cli_check_passes_and_writes_report(tmp_path, capsys):
+    path = tmp_path / "model.onnx"
+    onnx.save_model(custom_model(), path)
+    assert cli.main(["check", str(path), "--runners", "onnx-reference,cpu-twin", "--report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "cpu-twin" in out and "pass" in out and "check.json" in out
