@@ -112,7 +112,7 @@ def stress_cases(preset: Preset, dtype: str, decode: bool, cache_len: int | None
     specs = [  # name, batch, seq, past, first position, scale of the activations
         ("prefill", 2, min(16, limit), 0, 0, 1.0),
         ("long-sequence", 1, long_seq, 0, 0, 1.0),
-        ("large-magnitude", 2, min(16, limit), 0, 0, 10.0),
+        ("large-magnitude", 2, min(16, limit), 0, 0, 4.0),
     ]
     past = min(8, limit - 1)
     if decode:

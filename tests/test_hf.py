@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from rope_export import export as export_module  # noqa: E402
+from rope_export import cli, export as export_module  # noqa: E402
 from rope_export import hf  # noqa: E402
 from rope_export.contract import DOMAIN, OP_TYPE  # noqa: E402
 from rope_export.onnx_op import RotaryEmbedding  # noqa: E402
@@ -413,12 +413,8 @@ def test_fp16_file_has_fp16_io_and_matches_transformers_fp16():
 # -- offline loading and the CLI -------------------------------------------------------------
 
 def export_parser() -> argparse.ArgumentParser:
-    """The real ``export`` subcommand's parser with the --hf arguments added (the proposed wiring)."""
-    root = argparse.ArgumentParser()
-    subparsers = root.add_subparsers(dest="command")
-    export_module.register(subparsers)
-    hf.register_hf_arguments(subparsers.choices["export"])
-    return root
+    """The real command line (``export`` carries the --hf arguments)."""
+    return cli.build_parser()
 
 
 def test_cli_exports_a_local_config_with_local_weights(tmp_path, capsys):

@@ -162,6 +162,19 @@ def cast_if(op, value: ir.Value, have: ir.DataType, want: ir.DataType) -> ir.Val
     return value if have == want else op.Cast(value, to=want)
 
 
+def math_dtype(site: RotarySite) -> ir.DataType:
+    """The dtype a standard/contrib op runs in: float32 when float32 caches come with half X.
+
+    The contract rotates in float32 with those caches. Casting the caches down to X's type instead
+    rounds cos/sin to half precision, an error that large activations amplify through attention
+    (an fp16 block with 10x activations then disagreed with PyTorch by 6e-2 instead of 2e-2), so
+    X is cast up and the result back down: two Casts for the contract's exact math.
+    """
+    if site.cache_dtype == ir.DataType.FLOAT and site.x_dtype != ir.DataType.FLOAT:
+        return ir.DataType.FLOAT
+    return site.x_dtype
+
+
 @dataclass
 class LoweringLog:
     lowered: list[str] = field(default_factory=list)
