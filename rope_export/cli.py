@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "rope_export.check",
     "rope_export.plugin_build",
     "rope_export.trt",
+    "rope_export.bench",
     "rope_export.demo",
 ]
 

@@ -1,0 +1,218 @@
+"""``rope-export bench``: measured ratios on the CPU now, the GPU harness ready for when a GPU is lent.
+
+Five sections, one module each; every figure is a median of interleaved rounds and every
+comparison a ratio of two runners measured in the same rounds (``rope_export.bench.timing``):
+
+1. ``rope_alone``: RoPE alone on onnxruntime CPU, the ``onnx`` and ``ort`` lowerings against the
+   decomposed form and PyTorch eager, prefill and decode, fp32 and fp16, plus a copy of the same bytes;
+2. ``block``: a whole attention block, our export lowered to ``onnx`` against a plain
+   ``torch.onnx.export`` with decomposed RoPE (tiny preset and a Llama-3.1-8B layer), node counts,
+   and RoPE's share of the block's time;
+3. ``twin``: the kernels' CPU twin against a single-thread memory copy of the same bytes;
+4. ``gpu``: TensorRT plugin / TensorRT RotaryEmbedding / onnxruntime CUDA / PyTorch eager with CUDA
+   events; runs only with a GPU, otherwise reported as skipped with the reason (never zeros);
+5. ``kernels``: ptxas registers/spills/shared memory and 128-bit global accesses of every kernel.
+
+Writes ``bench.json``, ``bench.md`` and ``bench.png`` (atomically) into ``--out`` (default
+``out/bench``). ``--quick`` fits in two minutes on 2 cores; ``--smoke`` uses toy shapes to check
+the harness end to end (its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from rope_export.bench.block import BlockCase
+from rope_export.bench.rope_alone import RopeCase
+
+SECTIONS = ("rope", "block", "twin", "gpu", "kernels")
+SECTION_KEYS = {"rope": "rope_alone", "block": "block", "twin": "twin", "gpu": "gpu", "kernels": "kernels"}
+DEFAULT_OUT = "out/bench"
+SCHEMA = "rope-export-bench/1"
+DESCRIPTION = (
+    "Benchmark RoPE alone (onnxruntime CPU), whole attention blocks, the kernels' CPU twin, the GPU path "
+    "(only with a GPU) and the kernels' build; medians of interleaved rounds, ratios measured side by side. "
+    "Writes bench.json, bench.md and bench.png."
+)
+
+# B, S, Hq, Hk, D: a Llama-3-8B-like GQA layer (32 query heads, 8 kv heads, head_dim 128).
+ROPE_SHAPES = {"prefill": (1, 2048, 32, 8, 128), "decode": (16, 1, 32, 8, 128)}
+SMOKE_ROPE_SHAPES = {"prefill": (1, 64, 4, 2, 128), "decode": (2, 1, 4, 2, 128)}
+DTYPES = ("float32", "float16")
+
+BLOCK_CASES = {
+    "full": [
+        BlockCase("tiny", "prefill", 1, 512),
+        BlockCase("tiny", "decode", 16, 1, past=512),
+        BlockCase("llama-3.1-8b", "prefill", 1, 1024),
+        BlockCase("llama-3.1-8b", "decode", 16, 1, past=1024),
+    ],
+    "quick": [BlockCase("tiny", "prefill", 1, 128), BlockCase("llama-3.1-8b", "prefill", 1, 128)],
+    "smoke": [BlockCase("tiny", "prefill", 1, 16)],
+}
+ROUNDS = {  # (RoPE alone and twin by phase, block by phase, profiled runs)
+    "full": ({"prefill": 31, "decode": 41}, {"prefill": 9, "decode": 21}, 5),
+    "quick": ({"prefill": 7, "decode": 11}, {"prefill": 5, "decode": 7}, 3),
+    "smoke": ({"prefill": 2, "decode": 2}, {"prefill": 2, "decode": 2}, 1),
+}
+
+
+@dataclass
+class BenchConfig:
+    mode: str = "quick"  # "full" | "quick" | "smoke"
+    threads: int = 2
+    sections: tuple[str, ...] = SECTIONS
+    rope_cases: list[RopeCase] = field(default_factory=list)  # twin and GPU: the "table" ones
+    block_cases: list[BlockCase] = field(default_factory=list)
+    rounds: dict[str, int] = field(default_factory=dict)
+    block_rounds: dict[str, int] = field(default_factory=dict)
+    profile_runs: int = 3
+
+    @classmethod
+    def for_mode(cls, mode: str = "quick", threads: int = 2, rounds: int | None = None,
+                 sections: tuple[str, ...] = SECTIONS) -> BenchConfig:
+        if mode not in ROUNDS:
+            raise ValueError(f"unknown mode {mode!r}; use full, quick or smoke")
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown:
+            raise ValueError(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        if rounds is not None and rounds < 1:
+            raise ValueError(f"--reps must be >= 1, got {rounds}")
+        shapes = SMOKE_ROPE_SHAPES if mode == "smoke" else ROPE_SHAPES
+        rope_cases = [RopeCase(phase, *shape, dtype=dtype) for phase, shape in shapes.items() for dtype in DTYPES]
+        if mode == "full":  # also against the graph transformers exports today: cos/sin computed from inv_freq
+            rope_cases += [RopeCase("prefill", *shapes["prefill"], dtype=dtype, source="computed") for dtype in DTYPES]
+        rope_rounds, block_rounds, profile_runs = ROUNDS[mode]
+        if rounds is not None:
+            rope_rounds = dict.fromkeys(rope_rounds, rounds)
+            block_rounds = dict.fromkeys(block_rounds, rounds)
+        return cls(mode, threads, tuple(sections), rope_cases, list(BLOCK_CASES[mode]), dict(rope_rounds),
+                   dict(block_rounds), profile_runs)
+
+
+def _guarded(name: str, fn: Callable[[], dict], say: Callable[[str], None]) -> dict:
+    """Run one section; a failure is recorded (status "failed" and the reason) and the others still run."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a broken section must not hide the others' figures
+        say(f"{name}: FAILED: {type(exc).__name__}: {exc}")
+        return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the configured sections; returns the JSON-ready results (``report.write_outputs`` saves them)."""
+    from rope_export.bench import block, gpu, kernels, report, rope_alone, twin
+    from rope_export.bench.timing import machine_info
+
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    results: dict = {
+        "schema": SCHEMA,
+        "mode": config.mode,
+        "machine": machine_info(),
+        "settings": {
+            "threads": config.threads,
+            "sections": list(config.sections),
+            "rope_cases": [asdict(c) for c in config.rope_cases],
+            "block_cases": [asdict(c) for c in config.block_cases],
+            "rounds": config.rounds,
+            "block_rounds": config.block_rounds,
+            "profile_runs": config.profile_runs,
+        },
+        "sections": {},
+    }
+    sections = results["sections"]
+    table_cases = [c for c in config.rope_cases if c.source == "table"]
+    plan = {
+        "rope": lambda: rope_alone.run_section(config.rope_cases, config.threads, config.rounds, say),
+        "block": lambda: block.run_section(config.block_cases, config.threads, config.block_rounds,
+                                           config.profile_runs, say),
+        "twin": lambda: twin.run_section(table_cases, config.rounds, say),
+        "gpu": lambda: gpu.run_section(table_cases, config.rounds, say),
+        "kernels": lambda: kernels.static_report(),
+    }
+    for name in SECTIONS:
+        if name in config.sections:
+            if name == "kernels":
+                say("kernels: compiling plugins/rotary/rotary_cuda.cu with nvcc -Xptxas -v --keep")
+            load = round(os.getloadavg()[0], 2)  # other people's jobs on the same cores skew a whole section
+            sections[SECTION_KEYS[name]] = {**_guarded(name, plan[name], say), "load_average_1min_at_start": load}
+    results["goals"] = report.goals(results)
+    results["machine"]["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
+    results["elapsed_s"] = time.perf_counter() - started
+    return results
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="fewer rounds and smaller blocks: under two minutes on 2 cores")
+    size.add_argument("--smoke", action="store_true",
+                      help="toy shapes and 2 rounds: checks the harness end to end in seconds (numbers mean nothing)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="onnxruntime intra-op and torch threads of the CPU runners (default 2; the twin uses 1)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="interleaved rounds of every comparison (default by mode)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder for bench.json, bench.md, bench.png (default {DEFAULT_OUT})")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="write the ratio plot here instead of OUT/bench.png")
+    parser.set_defaults(func=run_cli)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark RoPE alone, whole blocks, the CPU twin, the GPU path and the kernels' build",
+        description=DESCRIPTION,
+    )
+    add_arguments(parser)
+
+
+def run_cli(args) -> int:
+    from rich.console import Console
+
+    from rope_export.bench.report import print_report, write_outputs
+
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    config = BenchConfig.for_mode(mode, args.threads, args.reps, sections)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide enough for the tables, not rich's 80 columns
+        console = Console(width=160)
+    with console.status("starting") as status:
+        def progress(message: str) -> None:
+            status.update(message)
+            console.log(message, highlight=False)
+
+        results = run_bench(config, progress)
+        progress("writing bench.json, bench.md and the plot")
+        written = write_outputs(results, args.out, args.plot)
+    print_report(results, console)
+    console.print(f"written: {', '.join(str(p) for p in written)} ({results['elapsed_s']:.0f} s)", highlight=False)
+    failed = [k for k, v in results["sections"].items() if v.get("status") == "failed"]
+    if failed:
+        console.print(f"[bold red]failed sections[/bold red]: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rope_export.bench [--quick]``: the same as ``rope-export bench``."""
+    parser = argparse.ArgumentParser(prog="rope-export bench", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_cli(args)
+    except ValueError as exc:
+        print(f"rope-export bench: error: {exc}")
+        return 2
