@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from rope_export import cli, export as export_module  # noqa: E402
-from rope_export import hf  # noqa: E402
+from rope_export import cli, hf  # noqa: E402
+from rope_export import export as export_module  # noqa: E402
 from rope_export.contract import DOMAIN, OP_TYPE  # noqa: E402
 from rope_export.onnx_op import RotaryEmbedding  # noqa: E402
 from rope_export.rope_types import build_caches  # noqa: E402
