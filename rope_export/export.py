@@ -166,31 +166,33 @@ def export_block(
             verbose=verbose,
         )
     model = program.model_proto
-    _rename_dynamic_dims(model)
+    rename_dynamic_dims(model, batch_seq=(0, 0), past=2 if decode else None)
     for key, value in (metadata or {}).items():
         model.metadata_props.add(key=key, value=value)
     model.producer_name, model.producer_version = "rope-export", __version__
     return model
 
 
-def _rename_dynamic_dims(model: onnx.ModelProto) -> None:
-    """Give the I/O's symbolic dims readable names: batch, seq, past, past+seq."""
-    names = {}
+def rename_dynamic_dims(model: onnx.ModelProto, batch_seq: tuple[int, int], past: int | None) -> None:
+    """Give the I/O's symbolic dims readable names: batch, seq, past, and past+seq on the presents.
+
+    ``batch_seq``: (graph input index, axis of batch); seq is the next axis. ``past``: the index
+    of a past key/value input (its axis 2 is the past length), or None.
+    """
     graph = model.graph
-    for value, axes in ((graph.input[0], {0: "batch", 1: "seq"}),):
-        for axis, name in axes.items():
-            dim = value.type.tensor_type.shape.dim[axis]
-            if dim.dim_param:
-                names[dim.dim_param] = name
-    if len(graph.input) == 4:
-        dim = graph.input[2].type.tensor_type.shape.dim[2]
-        if dim.dim_param:
-            names[dim.dim_param] = "past"
+    names = {}
+    index, axis = batch_seq
+    dims = graph.input[index].type.tensor_type.shape.dim
+    for offset, name in enumerate(("batch", "seq")):
+        if dims[axis + offset].dim_param:
+            names[dims[axis + offset].dim_param] = name
+    if past is not None and graph.input[past].type.tensor_type.shape.dim[2].dim_param:
+        names[graph.input[past].type.tensor_type.shape.dim[2].dim_param] = "past"
     for value in list(graph.input) + list(graph.output):
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in names:
                 dim.dim_param = names[dim.dim_param]
-            elif dim.dim_param and len(graph.input) == 4 and value.name.startswith("present"):
+            elif dim.dim_param and past is not None and value.name.startswith("present"):
                 dim.dim_param = "past+seq"
 
 

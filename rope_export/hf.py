@@ -57,6 +57,7 @@ from rope_export.export import (
     _quiet_exporter,
     count_rotary_nodes,
     custom_translation_table,
+    rename_dynamic_dims,
     save_model,
 )
 from rope_export.meta import patched
@@ -756,23 +757,9 @@ def _check_dynamic(model: onnx.ModelProto, position_rank: int) -> None:
 
 def _name_dims(model: onnx.ModelProto, position_rank: int) -> None:
     """batch/seq/past names for the symbolic dims of the I/O (past+seq for the presents)."""
-    graph = model.graph
-    names = {}
-    pos = graph.input[1].type.tensor_type.shape.dim
-    offset = 1 if position_rank == 3 else 0
-    for axis, name in ((offset, "batch"), (offset + 1, "seq")):
-        if pos[axis].dim_param:
-            names[pos[axis].dim_param] = name
-    if len(graph.input) > 2:
-        dim = graph.input[2].type.tensor_type.shape.dim[2]
-        if dim.dim_param:
-            names[dim.dim_param] = "past"
-    for value in list(graph.input) + list(graph.output):
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param in names:
-                dim.dim_param = names[dim.dim_param]
-            elif dim.dim_param and value.name.startswith("present"):
-                dim.dim_param = "past+seq"
+    # position_ids (input 1) is [B, S], or [3, B, S] for Qwen2-VL's mRoPE.
+    past = 2 if len(model.graph.input) > 2 else None
+    rename_dynamic_dims(model, batch_seq=(1, 1 if position_rank == 3 else 0), past=past)
 
 
 FALLBACKS = ("error", "plain", "fuse")

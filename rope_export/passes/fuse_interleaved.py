@@ -26,6 +26,7 @@ from rope_export.passes._values import dim, last_element
 class FuseInterleaved(FuseRotary):
     form = "interleaved"
     dup = "repeat"
+    flat = "flat"  # the bound value holding the pairs flattened back to the rotated width
 
     def core(self, op, x, cos, sin):
         even = self._slice(op, x, "even")
@@ -37,7 +38,7 @@ class FuseInterleaved(FuseRotary):
         return op.Add(op.Mul(x, cos), op.Mul(rotated, sin), _outputs=["core"])
 
     def width_from_pattern(self, rank: int, bindings: dict) -> int | None:
-        width = dim(bindings["flat"], -1)
+        width = dim(bindings[self.flat], -1)
         if width is None:
             last = last_element(bindings["flat_shape"])
             width = last if last is not None and last > 0 else None
@@ -51,7 +52,7 @@ class FuseInterleaved(FuseRotary):
         if even[0] != 0 or odd[0] != 1 or even[2] != 2 or odd[2] != 2 or min(even[1], odd[1]) < width:
             raise SkipSite(f"the Slices {even} / {odd} do not take the even and odd channels of {width}")
         check_stack_pairs(bindings, rank)
-        check_flatten_pairs(bindings, rank, width)
+        check_flatten_pairs(dict(bindings, flat=bindings[self.flat]), rank, width)
 
 
 def rules(report, memo) -> list[pattern.RewriteRule]:

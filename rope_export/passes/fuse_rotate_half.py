@@ -18,6 +18,8 @@ from rope_export.passes._fusing import FuseRotary, SkipSite, concat_on_last, rul
 class FuseRotateHalf(FuseRotary):
     form = "rotate-half"
     dup = "cat"
+    joined = "rotated"  # the bound value where the two halves are concatenated
+    joined_what = "cat(-x2, x1)"
 
     def core(self, op, x, cos, sin):
         x1 = self._slice(op, x, "lo")
@@ -37,8 +39,8 @@ class FuseRotateHalf(FuseRotary):
             raise SkipSite("the two halves are not constant Slices of the last axis")
         if lo != (0, half, 1) or hi[0] != half or hi[2] != 1 or hi[1] < width:
             raise SkipSite(f"the Slices [{lo[0]}:{lo[1]}] / [{hi[0]}:{hi[1]}] do not split {width} channels in halves")
-        if not concat_on_last(bindings["rotated"].producer(), rank):
-            raise SkipSite("cat(-x2, x1) is not on the last axis")
+        if not concat_on_last(bindings[self.joined].producer(), rank):
+            raise SkipSite(f"{self.joined_what} is not on the last axis")
 
 
 def rules(report, memo) -> list[pattern.RewriteRule]:
