@@ -35,7 +35,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.bfloat16:
         import ml_dtypes
 
-        return tensor.float().numpy().astype(ml_dtypes.bfloat16)
+        return tensor.detach().float().numpy().astype(ml_dtypes.bfloat16)
     return tensor.detach().numpy()
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 
-import ml_dtypes
 import numpy as np
 import onnx
 import torch
 
 from rope_export.export import DTYPES, INPUT_NAMES, export
 from rope_export.presets import load_preset
+from rope_export.runners import to_numpy
 
 CACHE_LEN = 64
 
@@ -31,12 +31,6 @@ def test_block(preset_name: str, dtype: str = "fp32") -> torch.nn.Module:
 
 
 test_block.__test__ = False  # a helper, not a pytest test
-
-
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.dtype == torch.bfloat16:
-        return tensor.float().numpy().astype(ml_dtypes.bfloat16)
-    return tensor.numpy()
 
 
 def feeds(inputs: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:

@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as lla
 
 from rope_export.onnx_op import rotary_numpy
 from rope_export.reference import rotary_embedding
+from rope_export.runners import to_numpy
 from rope_export.tolerances import tolerance
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
@@ -127,10 +128,7 @@ def formula_caches(max_pos: int, rotary_dim: int, theta: float = 10000.0):
     return torch.from_numpy(np.cos(angles)).float(), torch.from_numpy(np.sin(angles)).float()
 
 
-def numpy_of(t: torch.Tensor) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        return t.float().numpy().astype(ml_dtypes.bfloat16)
-    return t.numpy()
+numpy_of = to_numpy  # torch -> NumPy, ml_dtypes bfloat16 included
 
 
 def gathered(cos, sin, pos):

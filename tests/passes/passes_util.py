@@ -21,6 +21,7 @@ from rope_export.onnx_op import RotaryEmbedding as RopeOpRun
 from rope_export.onnx_op import make_rotary_node, rotary_numpy
 from rope_export.passes.lower_trt_plugin import TRT_PLUGIN_DOMAIN
 from rope_export.reference import rotary_embedding
+from rope_export.runners import to_numpy, to_torch
 
 NP_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -106,17 +107,11 @@ def run_ort(model, feeds: dict) -> list[np.ndarray]:
 def reference_output(x, cos, sin, pos, attrs: RotaryAttrs) -> np.ndarray:
     """rope_export.reference (PyTorch) on NumPy inputs; returns X's NumPy dtype."""
     def t(a):
-        if a is None:
-            return None
-        if a.dtype == ml_dtypes.bfloat16:
-            return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
-        return torch.from_numpy(np.ascontiguousarray(a))
+        return None if a is None else to_torch(a)
 
     y = rotary_embedding(t(x), t(cos), t(sin), t(pos), interleaved=attrs.interleaved, num_heads=attrs.num_heads,
                          rotary_embedding_dim=attrs.rotary_embedding_dim)
-    if y.dtype == torch.bfloat16:
-        return y.float().numpy().astype(ml_dtypes.bfloat16)
-    return y.numpy()
+    return to_numpy(y)
 
 
 def rotary_case(layout: str = "bhsd", x_dtype: str = "float32", cache_dtype: str = "float32", rd: int = 0,
