@@ -76,6 +76,24 @@ def goals(results: dict) -> list[dict]:
 
 # -- tables (rich) -----------------------------------------------------------------------------
 
+def _variants_table(title: str, cases: list[dict], extra_columns: tuple[str, ...], extra_cells):
+    """One row per runner, grouped by case: median, spread, then the section's own ratio columns."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("case", "runner", "median ms", "spread", *extra_columns):
+        t.add_column(col, justify="left" if col in ("case", "runner") else "right")
+    for c in cases:
+        case = f"{_case_label(c)}\n{c['shape']}"
+        for v in c["variants"].values():
+            mark = "" if v.get("agrees", True) else " [red](disagrees!)[/red]"
+            t.add_row(case, v["label"] + mark, _fmt(v["median_ms"], ".3f"), _fmt(v["spread"], ".0%"),
+                      *extra_cells(v))
+            case = ""
+        t.add_section()
+    return t
+
+
 def print_report(results: dict, console) -> None:
     from rich.table import Table
 
@@ -88,19 +106,11 @@ def print_report(results: dict, console) -> None:
 
     rope = sections.get("rope_alone")
     if rope and rope.get("status", "measured") == "measured":
-        t = Table(title=f"1. {rope['title']} ({rope['runtime']})")
-        for col in ("case", "runner", "median ms", "spread", "speedup vs plain decomposed", "of copy", "GB/s"):
-            t.add_column(col, justify="left" if col in ("case", "runner") else "right")
-        for c in rope["cases"]:
-            case = f"{_case_label(c)}\n{c['shape']}"
-            for v in c["variants"].values():
-                mark = "" if v.get("agrees", True) else " [red](disagrees!)[/red]"
-                t.add_row(case, v["label"] + mark, _fmt(v["median_ms"], ".3f"), _fmt(v["spread"], ".0%"),
-                          _fmt(v["speedup_vs_decomposed"], ".2f", "x"), _fmt(v["fraction_of_copy"], ".2f"),
-                          _fmt(v["gb_per_s"], ".1f"))
-                case = ""
-            t.add_section()
-        console.print(t)
+        console.print(_variants_table(
+            f"1. {rope['title']} ({rope['runtime']})", rope["cases"],
+            ("speedup vs plain decomposed", "of copy", "GB/s"),
+            lambda v: (_fmt(v["speedup_vs_decomposed"], ".2f", "x"), _fmt(v["fraction_of_copy"], ".2f"),
+                       _fmt(v["gb_per_s"], ".1f"))))
     elif rope:
         console.print(f"1. RoPE alone: {rope['status']}: {rope.get('reason')}")
 
@@ -125,18 +135,9 @@ def print_report(results: dict, console) -> None:
 
     twin = sections.get("twin")
     if twin and twin.get("status", "measured") == "measured":
-        t = Table(title=f"3. {twin['title']} ({twin['threads']})")
-        for col in ("case", "runner", "median ms", "spread", "of copy", "GB/s"):
-            t.add_column(col, justify="left" if col in ("case", "runner") else "right")
-        for c in twin["cases"]:
-            case = f"{_case_label(c)}\n{c['shape']}"
-            for v in c["variants"].values():
-                mark = "" if v.get("agrees", True) else " [red](disagrees!)[/red]"
-                t.add_row(case, v["label"] + mark, _fmt(v["median_ms"], ".3f"), _fmt(v["spread"], ".0%"),
-                          _fmt(v.get("fraction_of_copy"), ".2f"), _fmt(v.get("gb_per_s"), ".1f"))
-                case = ""
-            t.add_section()
-        console.print(t)
+        console.print(_variants_table(
+            f"3. {twin['title']} ({twin['threads']})", twin["cases"], ("of copy", "GB/s"),
+            lambda v: (_fmt(v.get("fraction_of_copy"), ".2f"), _fmt(v.get("gb_per_s"), ".1f"))))
     elif twin:
         console.print(f"3. CPU twin: {twin['status']}: {twin.get('reason')}")
 
