@@ -22,7 +22,8 @@ import torch
 
 from rope_export import contract
 from rope_export.export import DTYPES, INPUT_NAMES, example_inputs, read_metadata
-from rope_export.fileio import atomic_path, atomic_write_text
+from rope_export.fileio import atomic_write_text
+from rope_export.plotting import pyplot_or_none, save_png
 from rope_export.presets import Preset
 from rope_export.runners import (
     ROTARY_DOMAINS,
@@ -380,12 +381,8 @@ def report_markdown(report: CheckReport) -> str:
 
 def plot_error_vs_position(report: CheckReport, path: str | os.PathLike) -> bool:
     """A PNG of max abs error against position per runner; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot_or_none()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     for r in report.runners:
@@ -403,9 +400,7 @@ def plot_error_vs_position(report: CheckReport, path: str | os.PathLike) -> bool
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    save_png(fig, path)
     return True
 
 

@@ -6,7 +6,8 @@ import json
 import os
 from pathlib import Path
 
-from rope_export.fileio import atomic_path, atomic_write_text
+from rope_export.fileio import atomic_write_text
+from rope_export.plotting import pyplot_or_none, save_png
 
 SPEEDUP_GOAL = 4.0  # fused-and-lowered RoPE against its decomposed form, prefill, onnxruntime CPU
 COPY_GOAL = 1 / 1.15  # "within 15% of a memory copy": time <= 1.15 x the copy's, fraction >= 0.87
@@ -348,12 +349,8 @@ def report_markdown(results: dict) -> str:
 
 def plot(results: dict, path: str | os.PathLike) -> bool:
     """A PNG of the ratios (speedups, fractions of a copy, block speedups); False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot_or_none()
+    if plt is None:
         return False
     s = results["sections"]
     rope = s.get("rope_alone") if s.get("rope_alone", {}).get("status", "measured") == "measured" else None
@@ -401,9 +398,7 @@ def plot(results: dict, path: str | os.PathLike) -> bool:
     fig.suptitle(f"rope-export bench ({results['mode']}): {results['machine']['cpu']}, "
                  f"{results['settings']['threads']} threads", fontsize=11)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    save_png(fig, path)
     return True
 
 
