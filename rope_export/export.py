@@ -29,7 +29,7 @@ from rope_export import (
     contract,
     onnx_op,  # noqa: F401  (registers the rope_export schema for onnxscript)
 )
-from rope_export.fileio import atomic_path
+from rope_export.fileio import atomic_path, check_writable
 from rope_export.presets import Preset, load_preset
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -263,11 +263,11 @@ def export(
 
 
 def _check_writable(path: Path) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ExportError(f"cannot write {path}: the folder {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ExportError(f"cannot write {path}: permission denied; choose a writable path")
+    """Fail before the slow export, as an ExportError (the CLI prints it as one line)."""
+    try:
+        check_writable(path)
+    except OSError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:

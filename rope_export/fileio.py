@@ -9,6 +9,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def check_writable(path: str | os.PathLike) -> Path:
+    """The folder ``path`` would be written in; raise naming the problem if it cannot be.
+
+    Called before slow work (an export) as well as by every atomic write."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: the folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"cannot write {path}: the folder {parent} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise PermissionError(f"cannot write {path}: permission denied; choose a writable path")
+    return parent
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed onto ``path``.
@@ -17,11 +32,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     next to it) at the yielded path. On any exception the temporary file is removed.
     """
     path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise FileNotFoundError(f"cannot write {path}: the folder {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(f"cannot write {path}: the folder {parent} is not writable")
+    parent = check_writable(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     os.close(fd)
     tmp_path = Path(tmp)
