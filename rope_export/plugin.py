@@ -24,7 +24,11 @@ from rope_export.reference import dtype_name
 
 PLUGIN_DIR_ENV = "ROPE_EXPORT_PLUGIN_DIR"
 TWIN_LIBRARY = "librope_export_twin.so"
-TRT_PLUGIN_LIBRARY = "librope_export_trt_plugin.so"
+TRT_PLUGIN_LIBRARY = "librope_export_trt_plugin.so"  # registers itself when opened (CDLL, --staticPlugins)
+TRT_VC_PLUGIN_LIBRARY = "librope_export_trt_vc_plugin.so"  # for IPluginRegistry::loadLibrary hosts
+CUDA_LIBRARY = "librope_export_cuda.so"  # the kernels behind PyTorch's CUDA op (rope_export/cuda.py)
+# Every GPU TensorRT 10/11 runs on (Turing .. Blackwell); the build adds PTX of the newest.
+CUDA_ARCHS = (75, 80, 86, 89, 90, 100, 120)
 C_API_VERSION = 1
 MAX_RANK = 8
 
