@@ -336,6 +336,34 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def make_args(x, cos_cache, sin_cache, position_ids, out, *, interleaved=False, num_heads=0, rotary_embedding_dim=0,
+              force_scalar=False, blocks=None) -> _TwinArgs:
+    """The C ABI's description of one call (RopeTwinArgs) over contiguous tensors, on any device."""
+    args = _TwinArgs()
+    args.x, args.cos_cache, args.sin_cache = _ptr(x), _ptr(cos_cache), _ptr(sin_cache)
+    args.position_ids, args.out = _ptr(position_ids), _ptr(out)
+    args.x_dtype, args.cos_dtype, args.sin_dtype = (_enc(dtype_name(t.dtype)) for t in (x, cos_cache, sin_cache))
+    args.x_shape, args.x_rank = _dims(x.shape)
+    args.cos_shape, args.cos_rank = _dims(cos_cache.shape)
+    args.sin_shape, args.sin_rank = _dims(sin_cache.shape)
+    if position_ids is not None:
+        args.position_ids_dtype = _enc(dtype_name(position_ids.dtype))
+        args.position_ids_shape, args.position_ids_rank = _dims(position_ids.shape)
+    else:
+        args.position_ids_rank = -1
+    args.interleaved, args.num_heads, args.rotary_embedding_dim = int(interleaved), num_heads, rotary_embedding_dim
+    args.force_scalar = int(force_scalar)
+    args.block_begin, args.block_end = blocks if blocks is not None else (0, -1)
+    return args
+
+
+def to_plan(plan: _TwinPlan) -> TwinPlan:
+    return TwinPlan(
+        bool(plan.vectorized), plan.pairs_per_unit, plan.tail_elems, plan.rot_units, plan.units,
+        (plan.block_x, plan.block_y), (plan.grid_x, plan.grid_y), plan.tokens,
+    )  # fmt: skip
+
+
 def rotary_embedding(
     x: torch.Tensor,
     cos_cache: torch.Tensor,
@@ -391,26 +419,10 @@ def run(
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or out.device.type != "cpu":
         raise ValueError(f"out must be a contiguous CPU tensor of shape {list(x.shape)} and dtype {x.dtype}")
-    args = _TwinArgs()
-    args.x, args.cos_cache, args.sin_cache = _ptr(x), _ptr(cos_cache), _ptr(sin_cache)
-    args.position_ids, args.out = _ptr(position_ids), _ptr(out)
-    args.x_dtype, args.cos_dtype, args.sin_dtype = (_enc(dtype_name(t.dtype)) for t in (x, cos_cache, sin_cache))
-    args.x_shape, args.x_rank = _dims(x.shape)
-    args.cos_shape, args.cos_rank = _dims(cos_cache.shape)
-    args.sin_shape, args.sin_rank = _dims(sin_cache.shape)
-    if position_ids is not None:
-        args.position_ids_dtype = _enc(dtype_name(position_ids.dtype))
-        args.position_ids_shape, args.position_ids_rank = _dims(position_ids.shape)
-    else:
-        args.position_ids_rank = -1
-    args.interleaved, args.num_heads, args.rotary_embedding_dim = int(interleaved), num_heads, rotary_embedding_dim
-    args.force_scalar = int(force_scalar)
-    args.block_begin, args.block_end = blocks if blocks is not None else (0, -1)
+    args = make_args(x, cos_cache, sin_cache, position_ids, out, interleaved=interleaved, num_heads=num_heads,
+                     rotary_embedding_dim=rotary_embedding_dim, force_scalar=force_scalar, blocks=blocks)
     plan = _TwinPlan()
     err = ctypes.create_string_buffer(_ERR_LEN)
     if twin().rope_twin_run(ctypes.byref(args), ctypes.byref(plan), err, _ERR_LEN):
         raise RotaryContractError(err.value.decode())
-    return out, TwinPlan(
-        bool(plan.vectorized), plan.pairs_per_unit, plan.tail_elems, plan.rot_units, plan.units,
-        (plan.block_x, plan.block_y), (plan.grid_x, plan.grid_y), plan.tokens,
-    )  # fmt: skip
+    return out, to_plan(plan)
