@@ -183,6 +183,8 @@ def test_self_registering_library_opened_before_tensorrt_warns_and_registers_not
     records, err = probe(setup, ["cdll", setup.static], ["import"], ["creators"])
     assert records[2]["ours"] == []
     assert f"the plugin was NOT registered: no TensorRT {setup.major} runtime" in err
+    # (it would have opened libnvinfer.so.<major> itself, as libnvinfer_plugin's DT_NEEDED does)
+    assert f"libnvinfer.so.{setup.major} is not on the library search path" in err
     assert "load TensorRT first" in err and TRT_VC_PLUGIN_LIBRARY in err
 
 

@@ -3,9 +3,11 @@
 //
 // The library does not link libnvinfer. It reaches the registry of the TensorRT runtime the host has
 // already loaded (libnvinfer, libnvinfer_lean or libnvinfer_dispatch of the headers' major version):
-// dlopen(RTLD_NOLOAD) finds the loaded library and dlsym its getPluginRegistry/getLogger. A process
-// with no TensorRT loaded yet gets a warning on stderr and no registration (load TensorRT first, or
-// use librope_export_trt_vc_plugin.so through IPluginRegistry::loadLibrary). It exports no symbol.
+// dlopen(RTLD_NOLOAD) finds the loaded library and dlsym its getPluginRegistry/getLogger. In a process
+// with none loaded yet it opens libnvinfer.so.<major> from the library search path, as
+// libnvinfer_plugin's DT_NEEDED entry would; when that fails too it warns on stderr and registers
+// nothing (load TensorRT first, or use librope_export_trt_vc_plugin.so through
+// IPluginRegistry::loadLibrary). It exports no symbol.
 #include "plugin_log.h"
 #include "rotary_plugin.h"
 #include "tensorrt_runtime.h"
@@ -40,16 +42,26 @@ private:
     {
         using GetRegistry = nvinfer1::IPluginRegistry* (*) ();
         using GetLogger = nvinfer1::ILogger* (*) ();
-        std::vector<LoadedRuntime> const runtimes = loaded_runtimes(NV_TENSORRT_MAJOR);
+        std::vector<LoadedRuntime> runtimes = loaded_runtimes(NV_TENSORRT_MAJOR);
+        std::string const mismatch = runtimes.empty() ? major_mismatch(NV_TENSORRT_MAJOR, kLibrary) : "";
+        if (runtimes.empty() && mismatch.empty())
+        {
+            std::string const soname = "libnvinfer.so." + std::to_string(NV_TENSORRT_MAJOR);
+            if (void* handle = dlopen(soname.c_str(), RTLD_NOW | RTLD_GLOBAL))
+            {
+                runtimes.push_back(LoadedRuntime{soname, handle});
+            }
+        }
         if (runtimes.empty())
         {
-            std::string const mismatch = major_mismatch(NV_TENSORRT_MAJOR, kLibrary);
             log(nvinfer1::ILogger::Severity::kWARNING,
                 std::string(kLibrary) + ": the plugin was NOT registered: "
                     + (mismatch.empty() ? "no TensorRT " + std::to_string(NV_TENSORRT_MAJOR)
                                 + " runtime (libnvinfer, libnvinfer_lean or libnvinfer_dispatch .so."
                                 + std::to_string(NV_TENSORRT_MAJOR)
-                                + ") is loaded in this process yet; load TensorRT first (import tensorrt), or "
+                                + ") is loaded in this process yet, and libnvinfer.so."
+                                + std::to_string(NV_TENSORRT_MAJOR)
+                                + " is not on the library search path; load TensorRT first (import tensorrt), or "
                                   "register librope_export_trt_vc_plugin.so with IPluginRegistry::loadLibrary"
                                        : mismatch));
             return;
