@@ -102,10 +102,11 @@ class RaiseTrtPluginNode(pattern.RewriteRuleClassBase):
         return pattern.RewriteRule(self.pattern, self.rewrite, self.check, name=self.name)
 
 
-def raise_trt_plugin_nodes(model: ir.Model) -> int:
-    """Turn our trt-plugin nodes (either op type) back into rope_export::RotaryEmbedding, in place.
+def raise_trt_plugin_nodes(model: ir.Model, legacy_only: bool = False) -> int:
+    """Turn our trt-plugin nodes back into rope_export::RotaryEmbedding, in place; returns how many.
 
-    Returns how many were turned. Nodes of other plugin libraries are left alone.
+    ``legacy_only``: only those with the pre-rename op type (lowering to trt-plugin again leaves
+    current ones as they are). Nodes of other plugin libraries are left alone.
     """
-    rules = pattern.RewriteRuleSet([RaiseTrtPluginNode(t).as_rule() for t in PLUGIN_OP_TYPES])
-    return rules.apply_to_model(model)
+    op_types = (LEGACY_PLUGIN_NAME,) if legacy_only else PLUGIN_OP_TYPES
+    return pattern.RewriteRuleSet([RaiseTrtPluginNode(t).as_rule() for t in op_types]).apply_to_model(model)

@@ -62,7 +62,8 @@ def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog 
         raise PassError(f"unknown target {target!r}; choose one of: {', '.join(TARGETS)}")
     log = log if log is not None else LoweringLog()
     ir_model, kind = to_ir(model)
-    raised = raise_trt_plugin_nodes(ir_model)  # trt-plugin files (either op type) are the same op
+    # trt-plugin nodes (either op type) are the same op; re-lowering to trt-plugin renames old ones only
+    raised = raise_trt_plugin_nodes(ir_model, legacy_only=target == "trt-plugin")
     if raised:
         log.note(f"read {raised} trt-plugin node(s) as {DOMAIN}::{OP_TYPE}")
     if not _custom_nodes(ir_model):
