@@ -15,7 +15,9 @@ TENSORRT_INCLUDE_DIR ?=
 TENSORRT10_INCLUDE_DIR ?=
 TRT_LEAN10_SPEC ?= tensorrt-lean-cu12==10.16.0.72
 TRT_LEAN10_DIR := build/trt-lean-10
+# Read by `rope-export build-plugin` (also when the tests' scripts call it): one build, both versions.
 export TENSORRT_INCLUDE_DIR
+export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
 
 .PHONY: setup plugin trt-lean demo test lint clean
 
@@ -31,8 +33,7 @@ setup: $(STAMP)
 # The CPU twin (always), its sanitizer driver, the CUDA kernels and library when nvcc is present, the
 # TensorRT plugin libraries when its headers are given; see `rope-export build-plugin --help`.
 plugin: setup
-	$(PY) -m rope_export.cli build-plugin --werror \
-	  $(if $(TENSORRT10_INCLUDE_DIR),--tensorrt-extra-include-dir $(TENSORRT10_INCLUDE_DIR))
+	$(PY) -m rope_export.cli build-plugin --werror
 
 $(VENV)/.trt-lean: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,trt-lean]'

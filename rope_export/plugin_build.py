@@ -120,9 +120,10 @@ def register(subparsers) -> None:
     p.add_argument(
         "--tensorrt-extra-include-dir",
         action="append",
-        default=[],
+        default=None,
         metavar="DIR",
-        help="another TensorRT version's include/ (repeatable): its plugin libraries go to trt<major>.<minor>/",
+        help="another TensorRT version's include/ (repeatable): its plugin libraries go to trt<major>.<minor>/; "
+        "default $TENSORRT_EXTRA_INCLUDE_DIRS (':'-separated)",
     )
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels even if nvcc is found")
     p.add_argument(
@@ -147,7 +148,8 @@ def _main(args) -> int:
     opts = BuildOptions(
         build_dir=args.build_dir,
         tensorrt_include_dir=args.tensorrt_include_dir,
-        tensorrt_extra_include_dirs=args.tensorrt_extra_include_dir,
+        tensorrt_extra_include_dirs=args.tensorrt_extra_include_dir if args.tensorrt_extra_include_dir is not None
+        else [d for d in os.environ.get("TENSORRT_EXTRA_INCLUDE_DIRS", "").split(":") if d],
         cuda=not args.no_cuda,
         cuda_archs=archs,
         nvcc_threads=args.nvcc_threads,

@@ -164,6 +164,7 @@ def _cli(monkeypatch, argv):
 
 def test_build_plugin_command_prints_what_it_built_and_skipped(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TENSORRT_INCLUDE_DIR", raising=False)
+    monkeypatch.delenv("TENSORRT_EXTRA_INCLUDE_DIRS", raising=False)
     rc = _cli(monkeypatch, ["build-plugin", "--build-dir", str(tmp_path), "--no-cuda", "--no-sanitize", "--werror"])
     out = capsys.readouterr().out
     assert rc == 0
