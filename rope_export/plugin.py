@@ -400,18 +400,26 @@ def run(
     out: torch.Tensor | None = None,
     blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, TwinPlan]:
-    """Run the kernels' code on the CPU; same arguments as rope_export.reference.rotary_embedding.
+    """Run the kernels' code; same arguments as rope_export.reference.rotary_embedding.
 
-    Returns the output and the launch plan (vector or scalar path, grid). ``force_scalar`` takes
-    the scalar path where the vector one could run; ``blocks=(begin, end)`` runs only those grid
-    blocks along x (tests of huge shapes); ``out`` is written in place when given. Tensors must
-    be on the CPU; non-contiguous ones are made contiguous (a contiguous view keeps its address,
-    misaligned or not).
+    The backend follows the tensors' device: CPU tensors run on the CPU twin, CUDA tensors on the
+    CUDA kernels themselves (rope_export.cuda, PyTorch's current stream). Returns the output and the
+    launch plan (vector or scalar path, grid). ``force_scalar`` takes the scalar path where the
+    vector one could run; ``blocks=(begin, end)`` (CPU twin only) runs only those grid blocks along
+    x (tests of huge shapes); ``out`` is written in place when given. Non-contiguous tensors are
+    made contiguous (a contiguous view keeps its address, misaligned or not).
     """
+    if x.device.type == "cuda" and blocks is None:
+        from rope_export import cuda
+
+        return cuda.rotary_embedding(x, cos_cache, sin_cache, position_ids, interleaved=interleaved,
+                                     num_heads=num_heads, rotary_embedding_dim=rotary_embedding_dim,
+                                     force_scalar=force_scalar, out=out)
     tensors = [x, cos_cache, sin_cache] + ([position_ids] if position_ids is not None else [])
     for t in tensors:
         if t.device.type != "cpu":
-            raise ValueError(f"the CPU twin takes CPU tensors, got one on {t.device}; move it with .cpu()")
+            raise ValueError(f"the CPU twin takes CPU tensors, got one on {t.device}; move it with .cpu() "
+                             "(CUDA tensors run on the CUDA kernels, without blocks=)")
     x, cos_cache, sin_cache = (t.contiguous() for t in (x, cos_cache, sin_cache))
     if position_ids is not None:
         position_ids = position_ids.contiguous()
