@@ -139,7 +139,9 @@ if [[ "$device" == none ]]; then
   report none
   exit 3
 fi
-[[ $failed == 0 ]] && { step gpu_tests "$python" -m pytest -q -rs "${pytest_args[@]}" --junitxml="$out/gpu_tests.xml" || failed=1; }
+# The sanitizer sweep runs once, as its own step below, not again inside pytest.
+[[ $failed == 0 ]] && { step gpu_tests "$python" -m pytest -q -rs "${pytest_args[@]}" -k "not compute_sanitizer" \
+  --junitxml="$out/gpu_tests.xml" || failed=1; }
 if [[ $sanitizer == 1 ]]; then
   if command -v compute-sanitizer >/dev/null; then
     step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 100 \
