@@ -7,7 +7,19 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup plugin demo test lint clean
+# TensorRT: the headers the plugin libraries are built against (.ci/run points both at
+# ../shared/third_party when it is there; empty: no TensorRT plugins, their tests skip), and TensorRT's
+# lean runtime from pip (runs without a GPU) for the tests that load the libraries into it: 11.x into
+# the venv (extra trt-lean), 10.x into its own folder (same module name).
+TENSORRT_INCLUDE_DIR ?=
+TENSORRT10_INCLUDE_DIR ?=
+TRT_LEAN10_SPEC ?= tensorrt-lean-cu12==10.16.0.72
+TRT_LEAN10_DIR := build/trt-lean-10
+# Read by `rope-export build-plugin` (also when the tests' scripts call it): one build, both versions.
+export TENSORRT_INCLUDE_DIR
+export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
+
+.PHONY: setup plugin trt-lean demo test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +30,20 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The CPU twin (always), its sanitizer driver, the CUDA objects when nvcc is present, the TensorRT
-# glue when its headers are found; see `rope-export build-plugin --help`.
+# The CPU twin (always), its sanitizer driver, the CUDA kernels and library when nvcc is present, the
+# TensorRT plugin libraries when its headers are given; see `rope-export build-plugin --help`.
 plugin: setup
 	$(PY) -m rope_export.cli build-plugin --werror
+
+$(VENV)/.trt-lean: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,trt-lean]'
+	touch $@
+
+$(TRT_LEAN10_DIR)/.installed:
+	$(PY) -m pip install --quiet --no-warn-script-location --target $(TRT_LEAN10_DIR) '$(TRT_LEAN10_SPEC)'
+	touch $@
+
+trt-lean: setup $(if $(TENSORRT_INCLUDE_DIR),$(VENV)/.trt-lean) $(if $(TENSORRT10_INCLUDE_DIR),$(TRT_LEAN10_DIR)/.installed)
 
 demo: setup plugin
 	$(VENV)/bin/rope-export demo
@@ -29,7 +51,7 @@ demo: setup plugin
 lint: setup
 	$(VENV)/bin/ruff check rope_export tests scripts models
 
-test: lint plugin
+test: lint plugin trt-lean
 	$(PY) -m pytest -q
 
 clean:

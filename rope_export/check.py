@@ -26,11 +26,11 @@ from rope_export.fileio import atomic_write_text
 from rope_export.plotting import pyplot_or_none, save_png
 from rope_export.presets import Preset
 from rope_export.runners import (
-    ROTARY_DOMAINS,
     CpuTwinRunner,
     OnnxReferenceRunner,
     TorchRunner,
     cuda_available_for_onnxruntime,
+    is_rotary_node,
     onnxrt_runner,
     to_numpy,
 )
@@ -188,7 +188,7 @@ def has_custom_nodes(model: onnx.ModelProto) -> bool:
 
 def has_rotary_nodes(model: onnx.ModelProto) -> bool:
     """Nodes that carry the op contract: ours, or their trt-plugin form."""
-    return any(n.domain in ROTARY_DOMAINS and n.op_type == contract.OP_TYPE for n in model.graph.node)
+    return any(is_rotary_node(n) for n in model.graph.node)
 
 
 def _ort_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:

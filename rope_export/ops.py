@@ -37,3 +37,9 @@ def rotary_embedding(
 @rotary_embedding.register_fake
 def _(x, cos_cache, sin_cache, position_ids=None, interleaved=False, num_heads=0, rotary_embedding_dim=0):
     return torch.empty_like(x)
+
+
+# On CUDA tensors the op runs the TensorRT plugin's own kernels (librope_export_cuda.so).
+from rope_export import cuda as _cuda  # noqa: E402 - after the op it registers a kernel for
+
+_cuda.register_torch_kernel(rotary_embedding)

@@ -24,7 +24,11 @@ from rope_export.reference import dtype_name
 
 PLUGIN_DIR_ENV = "ROPE_EXPORT_PLUGIN_DIR"
 TWIN_LIBRARY = "librope_export_twin.so"
-TRT_PLUGIN_LIBRARY = "librope_export_trt_plugin.so"
+TRT_PLUGIN_LIBRARY = "librope_export_trt_plugin.so"  # registers itself when opened (CDLL, --staticPlugins)
+TRT_VC_PLUGIN_LIBRARY = "librope_export_trt_vc_plugin.so"  # for IPluginRegistry::loadLibrary hosts
+CUDA_LIBRARY = "librope_export_cuda.so"  # the kernels behind PyTorch's CUDA op (rope_export/cuda.py)
+# Every GPU TensorRT 10/11 runs on (Turing .. Blackwell); the build adds PTX of the newest.
+CUDA_ARCHS = (75, 80, 86, 89, 90, 100, 120)
 C_API_VERSION = 1
 MAX_RANK = 8
 
@@ -332,6 +336,34 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def make_args(x, cos_cache, sin_cache, position_ids, out, *, interleaved=False, num_heads=0, rotary_embedding_dim=0,
+              force_scalar=False, blocks=None) -> _TwinArgs:
+    """The C ABI's description of one call (RopeTwinArgs) over contiguous tensors, on any device."""
+    args = _TwinArgs()
+    args.x, args.cos_cache, args.sin_cache = _ptr(x), _ptr(cos_cache), _ptr(sin_cache)
+    args.position_ids, args.out = _ptr(position_ids), _ptr(out)
+    args.x_dtype, args.cos_dtype, args.sin_dtype = (_enc(dtype_name(t.dtype)) for t in (x, cos_cache, sin_cache))
+    args.x_shape, args.x_rank = _dims(x.shape)
+    args.cos_shape, args.cos_rank = _dims(cos_cache.shape)
+    args.sin_shape, args.sin_rank = _dims(sin_cache.shape)
+    if position_ids is not None:
+        args.position_ids_dtype = _enc(dtype_name(position_ids.dtype))
+        args.position_ids_shape, args.position_ids_rank = _dims(position_ids.shape)
+    else:
+        args.position_ids_rank = -1
+    args.interleaved, args.num_heads, args.rotary_embedding_dim = int(interleaved), num_heads, rotary_embedding_dim
+    args.force_scalar = int(force_scalar)
+    args.block_begin, args.block_end = blocks if blocks is not None else (0, -1)
+    return args
+
+
+def to_plan(plan: _TwinPlan) -> TwinPlan:
+    return TwinPlan(
+        bool(plan.vectorized), plan.pairs_per_unit, plan.tail_elems, plan.rot_units, plan.units,
+        (plan.block_x, plan.block_y), (plan.grid_x, plan.grid_y), plan.tokens,
+    )  # fmt: skip
+
+
 def rotary_embedding(
     x: torch.Tensor,
     cos_cache: torch.Tensor,
@@ -368,18 +400,26 @@ def run(
     out: torch.Tensor | None = None,
     blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, TwinPlan]:
-    """Run the kernels' code on the CPU; same arguments as rope_export.reference.rotary_embedding.
+    """Run the kernels' code; same arguments as rope_export.reference.rotary_embedding.
 
-    Returns the output and the launch plan (vector or scalar path, grid). ``force_scalar`` takes
-    the scalar path where the vector one could run; ``blocks=(begin, end)`` runs only those grid
-    blocks along x (tests of huge shapes); ``out`` is written in place when given. Tensors must
-    be on the CPU; non-contiguous ones are made contiguous (a contiguous view keeps its address,
-    misaligned or not).
+    The backend follows the tensors' device: CPU tensors run on the CPU twin, CUDA tensors on the
+    CUDA kernels themselves (rope_export.cuda, PyTorch's current stream). Returns the output and the
+    launch plan (vector or scalar path, grid). ``force_scalar`` takes the scalar path where the
+    vector one could run; ``blocks=(begin, end)`` (CPU twin only) runs only those grid blocks along
+    x (tests of huge shapes); ``out`` is written in place when given. Non-contiguous tensors are
+    made contiguous (a contiguous view keeps its address, misaligned or not).
     """
+    if x.device.type == "cuda" and blocks is None:
+        from rope_export import cuda
+
+        return cuda.rotary_embedding(x, cos_cache, sin_cache, position_ids, interleaved=interleaved,
+                                     num_heads=num_heads, rotary_embedding_dim=rotary_embedding_dim,
+                                     force_scalar=force_scalar, out=out)
     tensors = [x, cos_cache, sin_cache] + ([position_ids] if position_ids is not None else [])
     for t in tensors:
         if t.device.type != "cpu":
-            raise ValueError(f"the CPU twin takes CPU tensors, got one on {t.device}; move it with .cpu()")
+            raise ValueError(f"the CPU twin takes CPU tensors, got one on {t.device}; move it with .cpu() "
+                             "(CUDA tensors run on the CUDA kernels, without blocks=)")
     x, cos_cache, sin_cache = (t.contiguous() for t in (x, cos_cache, sin_cache))
     if position_ids is not None:
         position_ids = position_ids.contiguous()
@@ -387,26 +427,10 @@ def run(
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or out.device.type != "cpu":
         raise ValueError(f"out must be a contiguous CPU tensor of shape {list(x.shape)} and dtype {x.dtype}")
-    args = _TwinArgs()
-    args.x, args.cos_cache, args.sin_cache = _ptr(x), _ptr(cos_cache), _ptr(sin_cache)
-    args.position_ids, args.out = _ptr(position_ids), _ptr(out)
-    args.x_dtype, args.cos_dtype, args.sin_dtype = (_enc(dtype_name(t.dtype)) for t in (x, cos_cache, sin_cache))
-    args.x_shape, args.x_rank = _dims(x.shape)
-    args.cos_shape, args.cos_rank = _dims(cos_cache.shape)
-    args.sin_shape, args.sin_rank = _dims(sin_cache.shape)
-    if position_ids is not None:
-        args.position_ids_dtype = _enc(dtype_name(position_ids.dtype))
-        args.position_ids_shape, args.position_ids_rank = _dims(position_ids.shape)
-    else:
-        args.position_ids_rank = -1
-    args.interleaved, args.num_heads, args.rotary_embedding_dim = int(interleaved), num_heads, rotary_embedding_dim
-    args.force_scalar = int(force_scalar)
-    args.block_begin, args.block_end = blocks if blocks is not None else (0, -1)
+    args = make_args(x, cos_cache, sin_cache, position_ids, out, interleaved=interleaved, num_heads=num_heads,
+                     rotary_embedding_dim=rotary_embedding_dim, force_scalar=force_scalar, blocks=blocks)
     plan = _TwinPlan()
     err = ctypes.create_string_buffer(_ERR_LEN)
     if twin().rope_twin_run(ctypes.byref(args), ctypes.byref(plan), err, _ERR_LEN):
         raise RotaryContractError(err.value.decode())
-    return out, TwinPlan(
-        bool(plan.vectorized), plan.pairs_per_unit, plan.tail_elems, plan.rot_units, plan.units,
-        (plan.block_x, plan.block_y), (plan.grid_x, plan.grid_y), plan.tokens,
-    )  # fmt: skip
+    return out, to_plan(plan)

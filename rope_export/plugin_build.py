@@ -1,9 +1,10 @@
 """``rope-export build-plugin``: configure and build ``plugins/`` with CMake into ``build/plugins``.
 
-What gets built depends on the machine (see plugins/CMakeLists.txt): the CPU twin always, the
-CUDA kernels when nvcc is found, the TensorRT glue when TensorRT headers are found
-(``--tensorrt-include-dir`` or ``$TENSORRT_INCLUDE_DIR``), the loadable plugin library when
-libnvinfer is found too. The summary says what was built and what was skipped, and why.
+What gets built depends on the machine (see plugins/CMakeLists.txt): the CPU twin always; with
+nvcc the CUDA kernels (every architecture in ``--cuda-archs``, failing on register spills) and the
+CUDA library behind PyTorch's CUDA op; with TensorRT headers (``--tensorrt-include-dir`` or
+``$TENSORRT_INCLUDE_DIR``) the two plugin libraries, which need no libnvinfer to link. The
+summary says what was built and what was skipped, and why.
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rope_export.cli import CLIError
-from rope_export.plugin import PLUGIN_DIR_ENV, default_build_dir, plugin_dir, source_root
+from rope_export.plugin import CUDA_ARCHS, PLUGIN_DIR_ENV, default_build_dir, plugin_dir, source_root
+
+DEFAULT_CUDA_ARCHS = ";".join(str(a) for a in CUDA_ARCHS)
 
 
 @dataclass
 class BuildOptions:
     build_dir: Path = field(default_factory=default_build_dir)
     tensorrt_include_dir: str | None = None
-    tensorrt_lib_dir: str | None = None
+    tensorrt_extra_include_dirs: list[str] = field(default_factory=list)  # more versions, into trt<M>.<m>/
     cuda: bool = True
-    cuda_archs: str = "80;90"
+    cuda_archs: str = DEFAULT_CUDA_ARCHS
+    nvcc_threads: int = 2
     sanitize: bool = True
     werror: bool = False
     jobs: int = 2
@@ -43,12 +47,15 @@ def configure_command(opts: BuildOptions) -> list[str]:
         f"-DCMAKE_BUILD_TYPE={opts.build_type}",
         f"-DROPE_EXPORT_CUDA={'ON' if opts.cuda else 'OFF'}",
         f"-DROPE_EXPORT_CUDA_ARCHS={opts.cuda_archs}",
+        f"-DROPE_EXPORT_NVCC_THREADS={opts.nvcc_threads}",
         f"-DROPE_EXPORT_SANITIZE={'ON' if opts.sanitize else 'OFF'}",
         f"-DROPE_EXPORT_WERROR={'ON' if opts.werror else 'OFF'}",
     ]  # fmt: skip
     # Always pass both, so a value dropped from the command line is dropped from the cache too.
     cmd.append(f"-DTENSORRT_INCLUDE_DIR={opts.tensorrt_include_dir or ''}")
-    cmd.append(f"-DTENSORRT_LIB_DIR={opts.tensorrt_lib_dir or ''}")
+    cmd.append(f"-DTENSORRT_EXTRA_INCLUDE_DIRS={';'.join(opts.tensorrt_extra_include_dirs)}")
+    if shutil.which("ninja"):  # faster no-op rebuilds; CMake's default generator otherwise
+        cmd[1:1] = ["-G", "Ninja"] if not (opts.build_dir / "CMakeCache.txt").is_file() else []
     return cmd
 
 
@@ -70,10 +77,9 @@ def build_plugins(opts: BuildOptions | None = None, quiet: bool = False) -> str:
     opts = opts or BuildOptions()
     if shutil.which("cmake") is None:
         raise CLIError("cmake not found on PATH; install CMake >= 3.18 (e.g. `apt-get install cmake`)")
-    if opts.tensorrt_include_dir and not (Path(opts.tensorrt_include_dir) / "NvInfer.h").is_file():
-        raise CLIError(
-            f"--tensorrt-include-dir {opts.tensorrt_include_dir} holds no NvInfer.h; point it at TensorRT's include/"
-        )
+    for folder in filter(None, [opts.tensorrt_include_dir, *opts.tensorrt_extra_include_dirs]):
+        if not (Path(folder) / "NvInfer.h").is_file():
+            raise CLIError(f"--tensorrt-include-dir {folder} holds no NvInfer.h; point it at TensorRT's include/")
     opts.build_dir.mkdir(parents=True, exist_ok=True)
     _run(configure_command(opts), quiet)
     _run(["cmake", "--build", str(opts.build_dir), "-j", str(opts.jobs)], quiet)
@@ -112,12 +118,20 @@ def register(subparsers) -> None:
         help="folder with NvInfer.h (TensorRT 10.x/11.x); default $TENSORRT_INCLUDE_DIR",
     )
     p.add_argument(
-        "--tensorrt-lib-dir",
-        default=os.environ.get("TENSORRT_LIB_DIR"),
-        help="folder with libnvinfer.so; default $TENSORRT_LIB_DIR",
+        "--tensorrt-extra-include-dir",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="another TensorRT version's include/ (repeatable): its plugin libraries go to trt<major>.<minor>/; "
+        "default $TENSORRT_EXTRA_INCLUDE_DIRS (':'-separated)",
     )
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels even if nvcc is found")
-    p.add_argument("--cuda-archs", default="80;90", help="SM architectures, ';'-separated (default: 80;90)")
+    p.add_argument(
+        "--cuda-archs",
+        default=DEFAULT_CUDA_ARCHS,
+        help=f"SM architectures, ';'- or ','-separated; PTX of the newest is added (default: {DEFAULT_CUDA_ARCHS})",
+    )
+    p.add_argument("--nvcc-threads", type=int, default=2, help="architectures nvcc compiles in parallel (default 2)")
     p.add_argument("--no-sanitize", action="store_true", help="skip the ASan/UBSan driver of the CPU twin")
     p.add_argument("--werror", action="store_true", help="treat warnings in our code as errors")
     p.add_argument("-j", "--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
@@ -129,12 +143,16 @@ def _main(args) -> int:
     archs = args.cuda_archs.replace(",", ";")
     if not all(a.strip().isdigit() for a in archs.split(";")):
         raise CLIError(f"--cuda-archs {args.cuda_archs!r}: give SM numbers such as 80;90")
+    if args.nvcc_threads < 0:
+        raise CLIError(f"--nvcc-threads {args.nvcc_threads}: give 0 (all cores) or more")
     opts = BuildOptions(
         build_dir=args.build_dir,
         tensorrt_include_dir=args.tensorrt_include_dir,
-        tensorrt_lib_dir=args.tensorrt_lib_dir,
+        tensorrt_extra_include_dirs=args.tensorrt_extra_include_dir if args.tensorrt_extra_include_dir is not None
+        else [d for d in os.environ.get("TENSORRT_EXTRA_INCLUDE_DIRS", "").split(":") if d],
         cuda=not args.no_cuda,
         cuda_archs=archs,
+        nvcc_threads=args.nvcc_threads,
         sanitize=not args.no_sanitize,
         werror=args.werror,
         jobs=args.jobs,

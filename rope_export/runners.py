@@ -19,9 +19,19 @@ from polygraphy.common import TensorMetadata
 
 from rope_export import contract
 from rope_export.onnx_op import rotary_numpy
-from rope_export.passes.lower_trt_plugin import TRT_PLUGIN_DOMAIN
+from rope_export.passes.lower_trt_plugin import PLUGIN_OP_TYPES, TRT_PLUGIN_DOMAIN, is_trt_plugin_node
 
 ROTARY_DOMAINS = (contract.DOMAIN, TRT_PLUGIN_DOMAIN)  # nodes that carry the op contract
+# (domain, op_type) of those nodes: ours, and the trt-plugin form (current and pre-rename op type).
+ROTARY_OPS = ((contract.DOMAIN, contract.OP_TYPE), *((TRT_PLUGIN_DOMAIN, t) for t in PLUGIN_OP_TYPES))
+
+
+def is_rotary_node(node: onnx.NodeProto) -> bool:
+    """A node that carries the op contract: rope_export::RotaryEmbedding or our trt-plugin node."""
+    if (node.domain, node.op_type) == (contract.DOMAIN, contract.OP_TYPE):
+        return True
+    namespace = next((a.s for a in node.attribute if a.name == "plugin_namespace"), None)
+    return is_trt_plugin_node(node.domain, node.op_type, namespace)
 
 
 def to_torch(array: np.ndarray) -> torch.Tensor:
@@ -129,7 +139,7 @@ def rotary_ops(kernel) -> list[type]:
     from onnx.reference.op_run import OpRun
 
     classes = []
-    for domain in ROTARY_DOMAINS:
+    for domain, op_type in ROTARY_OPS:
         def _run(self, X, cos_cache, sin_cache, position_ids=None, interleaved=None, num_heads=None,
                  rotary_embedding_dim=None, plugin_namespace=None, plugin_version=None):
             # plugin_namespace/plugin_version only select the TensorRT plugin; they change nothing.
@@ -137,7 +147,7 @@ def rotary_ops(kernel) -> list[type]:
                            num_heads=num_heads or 0, rotary_embedding_dim=rotary_embedding_dim or 0),)
 
         # OpRun classes are matched by class name (the op type) and op_domain.
-        classes.append(type(contract.OP_TYPE, (OpRun,), {"op_domain": domain, "_run": _run}))
+        classes.append(type(op_type, (OpRun,), {"op_domain": domain, "_run": _run}))
     return classes
 
 

@@ -1,6 +1,10 @@
 """The TensorRT engine path: build an engine from a ``trt-plugin``-lowered ONNX file with the plugin
 library loaded, save it, load it, run it (polygraphy loaders), and ``rope-export build``.
 
+``build`` parses the file itself (so files lowered before the plugin's op type was renamed are
+read as the same op), checks that every rotary node became a plugin layer of ours, and derives
+the optimization profile from the file when ``--shape`` is absent or partial (rope_export.trt_profiles).
+
 TensorRT and polygraphy's TensorRT backend are imported only when used, so the package imports and
 its other commands work on machines without them. Without TensorRT, or without a usable CUDA GPU,
 ``rope-export build`` says so in one line and exits non-zero.
@@ -14,11 +18,19 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import onnx
+
 from rope_export.cli import CLIError
 from rope_export.fileio import atomic_write_bytes
-from rope_export.plugin import PLUGIN_DIR_ENV, TRT_PLUGIN_LIBRARY, plugin_dir
-
-ShapeSpec = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # min, opt, max
+from rope_export.passes.lower_trt_plugin import (
+    LEGACY_PLUGIN_NAME,
+    PLUGIN_NAME,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    TRT_PLUGIN_DOMAIN,
+)
+from rope_export.plugin import PLUGIN_DIR_ENV, TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
+from rope_export.trt_profiles import ShapeSpec, derive_profile
 
 
 class TensorRTUnavailable(CLIError):
@@ -71,19 +83,36 @@ def default_plugin_library() -> Path:
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
-def load_plugins(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """dlopen each plugin library once; it registers its creators itself (static registration)."""
+def load_plugins(paths: Iterable[str | os.PathLike], trt=None) -> list[Path]:
+    """Load each plugin library the way it expects, once.
+
+    A library that registers itself (librope_export_trt_plugin.so) is opened with dlopen; one that
+    exports ``getCreators`` (librope_export_trt_vc_plugin.so, other vendors' loadLibrary libraries)
+    is also handed to ``trt``'s IPluginRegistry.load_library. With ``trt`` (the tensorrt module, or
+    tensorrt_lean), the rotary plugin's creator must then be registered, or CLIError says why not.
+    """
     loaded = []
     for p in paths:
         path = Path(p).resolve()
         if not path.is_file():
             raise FileNotFoundError(
-                f"plugin library {p} not found; build it with `rope-export build-plugin --tensorrt-include-dir ... "
-                f"--tensorrt-lib-dir ...` (it lands in build/plugins, or ${PLUGIN_DIR_ENV})"
+                f"plugin library {p} not found; build it with `rope-export build-plugin --tensorrt-include-dir ...` "
+                f"(it lands in build/plugins, or ${PLUGIN_DIR_ENV})"
             )
         if str(path) not in _LOADED:
-            _LOADED[str(path)] = ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(path))
+            _LOADED[str(path)] = lib
+            if trt is not None and hasattr(lib, "getCreators"):
+                # None when its creators are registered already (e.g. both our libraries given): harmless.
+                trt.get_plugin_registry().load_library(str(path))
         loaded.append(path)
+    if trt is not None and trt.get_plugin_registry().get_creator(PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE) is None:
+        names = ", ".join(p.name for p in loaded) or "no library"
+        raise CLIError(
+            f"the {PLUGIN_NAME} plugin (version {PLUGIN_VERSION}, namespace {PLUGIN_NAMESPACE}) is not registered "
+            f"after loading {names}: pass --plugin build/plugins/{TRT_PLUGIN_LIBRARY} or {TRT_VC_PLUGIN_LIBRARY} "
+            f"built against this TensorRT's headers ({trt.__version__}); the library's own message is on stderr"
+        )
     return loaded
 
 
@@ -106,12 +135,64 @@ def parse_shape(spec: str) -> tuple[str, ShapeSpec]:
     return name, (dims[0], dims[1], dims[2])
 
 
-def _network_loader(onnx_path: Path, trt):
-    from polygraphy.backend.trt import NetworkFromOnnxPath
+def rotary_nodes(model: onnx.ModelProto) -> dict[str, str]:
+    """Output tensor -> node label of every node that must become our plugin layer."""
+    from rope_export.runners import is_rotary_node
 
+    return {n.output[0]: n.name or f"{n.op_type} -> {n.output[0]}" for n in model.graph.node if is_rotary_node(n)}
+
+
+def use_current_op_type(model: onnx.ModelProto) -> int:
+    """Rename trt-plugin nodes written before the rename (op type RotaryEmbedding, which TensorRT
+    >= 10.15 would import as its own layer) to the plugin's op type, in place; returns how many."""
+    from rope_export.runners import is_rotary_node
+
+    renamed = 0
+    for node in model.graph.node:
+        if node.domain == TRT_PLUGIN_DOMAIN and node.op_type == LEGACY_PLUGIN_NAME and is_rotary_node(node):
+            node.op_type = PLUGIN_NAME
+            renamed += 1
+    return renamed
+
+
+def check_rotary_layers(network, expected: dict[str, str], trt) -> None:
+    """CLIError unless every rotary node's output comes from an IPluginV3 layer of our plugin."""
+    producers = {}
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        for j in range(layer.num_outputs):
+            producers[layer.get_output(j).name] = layer
+    wrong = []
+    for output, label in expected.items():
+        layer = producers.get(output)
+        if layer is None:
+            wrong.append(f"{label}: no layer produces {output}")
+        elif layer.type != trt.LayerType.PLUGIN_V3:
+            wrong.append(f"{label}: became a {layer.type.name} layer")
+    if wrong:
+        raise CLIError(
+            f"{len(wrong)} of {len(expected)} rotary node(s) did not become {PLUGIN_NAME} plugin layers "
+            f"({'; '.join(wrong)}); lower the file with `rope-export lower --target trt-plugin` and load the "
+            "plugin library (--plugin)"
+        )
+
+
+def parse_network(onnx_path: Path, trt):
+    """(builder, network, parser) for the file, our rotary nodes checked to be plugin layers."""
+    from polygraphy.backend.trt import CreateNetwork, get_trt_logger
+
+    model = onnx.load(str(onnx_path), load_external_data=False)  # weights stay where they are
+    use_current_op_type(model)
+    expected = rotary_nodes(model)
     # TensorRT 10 needs the flag for a strongly typed network; 11 is strongly typed always.
     strongly_typed = True if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED") else None
-    return NetworkFromOnnxPath(str(onnx_path), strongly_typed=strongly_typed)
+    builder, network = CreateNetwork(strongly_typed=strongly_typed)()
+    parser = trt.OnnxParser(network, get_trt_logger())
+    if not parser.parse(model.SerializeToString(), path=str(onnx_path.resolve())):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise CLIError(f"TensorRT could not parse {onnx_path}: {errors}")
+    check_rotary_layers(network, expected, trt)
+    return builder, network, parser
 
 
 def build_engine(
@@ -119,24 +200,33 @@ def build_engine(
     out_path: str | os.PathLike,
     plugins: Iterable[str | os.PathLike],
     shapes: Mapping[str, ShapeSpec] | None = None,
+    *,
+    max_batch: int = 1,
+    say=None,
 ) -> Path:
-    """Build and save (atomically) an engine for ``onnx_path``; ``shapes`` set the optimization profile."""
+    """Build and save (atomically) an engine for ``onnx_path``.
+
+    ``shapes`` (all, some or none of the inputs) are completed from the file into one optimization
+    profile (rope_export.trt_profiles); ``say`` receives one line per derived range.
+    """
     trt = require_tensorrt()
     onnx_path = Path(onnx_path)
     if not onnx_path.is_file():
         raise FileNotFoundError(f"ONNX file {onnx_path} not found")
-    load_plugins(plugins)
+    profile_shapes, notes = derive_profile(onnx.load(str(onnx_path), load_external_data=False), shapes,
+                                           max_batch=max_batch)
+    for note in notes:
+        (say or (lambda _: None))(f"profile: {note}")
+    load_plugins(plugins, trt)
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, Profile
     from polygraphy.exception import PolygraphyException
 
-    profiles = None
-    if shapes:
-        profile = Profile()
-        for name, (lo, opt, hi) in shapes.items():
-            profile.add(name, min=lo, opt=opt, max=hi)
-        profiles = [profile]
+    profile = Profile()
+    for name, (lo, opt, hi) in profile_shapes.items():
+        profile.add(name, min=lo, opt=opt, max=hi)
     try:
-        data = EngineBytesFromNetwork(_network_loader(onnx_path, trt), config=CreateConfig(profiles=profiles))()
+        network = parse_network(onnx_path, trt)
+        data = EngineBytesFromNetwork(network, config=CreateConfig(profiles=[profile]))()
     except PolygraphyException as exc:
         raise CLIError(f"TensorRT could not build an engine from {onnx_path}: {exc}") from None
     atomic_write_bytes(out_path, bytes(data))
@@ -145,8 +235,8 @@ def build_engine(
 
 def load_engine(engine_path: str | os.PathLike, plugins: Iterable[str | os.PathLike]):
     """Deserialize an engine (the plugin libraries are loaded first)."""
-    require_tensorrt()
-    load_plugins(plugins)
+    trt = require_tensorrt()
+    load_plugins(plugins, trt)
     from polygraphy.backend.trt import EngineFromPath
 
     return EngineFromPath(str(engine_path))()
@@ -179,15 +269,24 @@ def register(subparsers) -> None:
         "--shape",
         action="append",
         default=[],
-        help="input shape of the optimization profile: NAME:DIMS or NAME:MIN:OPT:MAX (dims like 1x8x16x64)",
+        help="input shape of the optimization profile: NAME:DIMS or NAME:MIN:OPT:MAX (dims like 1x8x16x64); "
+        "inputs not given, and dims named like given ones, are derived from the file",
     )
+    p.add_argument("--max-batch", type=int, default=1, help="largest batch of the derived profile (default 1)")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
     require_tensorrt()  # first, so a machine without TensorRT gets the one-line reason
-    shapes = dict(parse_shape(s) for s in args.shape)
+    shapes = {}
+    for spec in args.shape:
+        name, ranges = parse_shape(spec)
+        if name in shapes:
+            raise CLIError(f"--shape {name} is given twice")
+        shapes[name] = ranges
+    if args.max_batch < 1:
+        raise CLIError(f"--max-batch {args.max_batch}: give 1 or more")
     plugins = args.plugin or [default_plugin_library()]
-    path = build_engine(args.onnx, args.output, plugins, shapes)
+    path = build_engine(args.onnx, args.output, plugins, shapes, max_batch=args.max_batch, say=print)
     print(f"wrote {path}")
     return 0

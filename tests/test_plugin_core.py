@@ -181,7 +181,10 @@ def test_output_dtype_follows_x_and_rejects_like_the_contract():
 
 
 def test_identity_matches_the_contract():
-    assert plugin.plugin_identity() == (contract.OP_TYPE, str(contract.OP_VERSION), contract.DOMAIN)
+    # The name is the trt-plugin op type (one no TensorRT importer claims), not the contract's op type.
+    name, version, namespace = plugin.plugin_identity()
+    assert (version, namespace) == (str(contract.OP_VERSION), contract.DOMAIN)
+    assert name != contract.OP_TYPE and name.endswith(contract.OP_TYPE)
 
 
 def test_the_trt_plugin_lowering_targets_this_plugin():

@@ -10,7 +10,9 @@
 namespace rope
 {
 
-constexpr char const* kPluginName = "RotaryEmbedding";
+// An op type no TensorRT ONNX importer claims: TensorRT >= 10.15 imports "RotaryEmbedding" with its
+// own layer, which would silently replace the plugin when the library is not loaded.
+constexpr char const* kPluginName = "RopeExportRotaryEmbedding";
 constexpr char const* kPluginVersion = "1";
 constexpr char const* kPluginNamespace = "rope_export";
 

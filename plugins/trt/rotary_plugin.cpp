@@ -1,11 +1,9 @@
 #include "rotary_plugin.h"
 
+#include "plugin_log.h"
 #include "../rotary/rotary_cuda.h"
 #include "../rotary/rotary_problem.h"
 
-#include <atomic>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <vector>
@@ -24,33 +22,28 @@ static_assert(static_cast<int32_t>(PluginFieldType::kINT32) == static_cast<int32
         && static_cast<int32_t>(PluginFieldType::kFLOAT32) == static_cast<int32_t>(FieldType::kFLOAT32),
     "core/rope_core.h FieldType must use nvinfer1::PluginFieldType's codes");
 
-std::atomic<nvinfer1::ILoggerFinder*> gLoggerFinder{nullptr};
+void error(std::string const& msg) noexcept
+{
+    log_error(msg);
+}
 
-// To TensorRT's logger when TensorRT gave us one (setLoggerFinder), else to stderr.
-void log(nvinfer1::ILogger::Severity severity, std::string const& msg) noexcept
+// Refuses, when the plugin is configured, a GPU this build has no kernels for (rather than
+// failing at the first enqueue with "no kernel image").
+bool check_device() noexcept
 {
     try
     {
-        std::string const text = std::string("[rope_export::RotaryEmbedding] ") + msg;
-        nvinfer1::ILoggerFinder* finder = gLoggerFinder.load();
-        nvinfer1::ILogger* logger = finder != nullptr ? finder->findLogger() : nullptr;
-        if (logger != nullptr)
+        std::string err;
+        if (device_supported(err))
         {
-            logger->log(severity, text.c_str());
+            return true;
         }
-        else
-        {
-            std::fprintf(stderr, "%s\n", text.c_str());
-        }
+        error(err);
     }
     catch (...)
     {
     }
-}
-
-void error(std::string const& msg) noexcept
-{
-    log(nvinfer1::ILogger::Severity::kERROR, msg);
+    return false;
 }
 
 // The core names dtypes like torch does.
@@ -193,6 +186,10 @@ int32_t RotaryPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* i
             error("the output must have X's dtype");
             return -1;
         }
+        if (!check_device())
+        {
+            return -1;
+        }
         mNbInputs = nbInputs;
         return 0;
     }
@@ -251,7 +248,7 @@ int32_t RotaryPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t
         }
         if (nbShapeInputs != 0)
         {
-            error("RotaryEmbedding takes no shape inputs");
+            error(std::string(kPluginName) + " takes no shape inputs");
             return -1;
         }
         outputs[0] = inputs[0]; // Y has X's shape
@@ -315,6 +312,10 @@ int32_t RotaryPlugin::onShapeChange(
         if (out[0].type != in[0].type)
         {
             error("the output must have X's dtype");
+            return -1;
+        }
+        if (!check_device())
+        {
             return -1;
         }
         mNbInputs = nbInputs;
@@ -446,54 +447,4 @@ char const* RotaryPluginCreator::getPluginNamespace() const noexcept
     return kPluginNamespace;
 }
 
-namespace
-{
-
-// Static registration when the library is loaded (polygraphy --plugins, Triton, trtexec
-// --staticPlugins, ctypes.CDLL): REGISTER_TENSORRT_PLUGIN(RotaryPluginCreator) with the creator's
-// namespace passed to registerCreator instead of "", so the registry key is "rope_export" whichever
-// of the two TensorRT reads. ROPE_EXPORT_PLUGIN_STATIC_REGISTRATION=0 turns it off, for hosts that
-// register the creators themselves through getCreators (trtexec --dynamicPlugins) and refuse duplicates.
-class StaticRegistrar
-{
-public:
-    StaticRegistrar()
-    {
-        char const* flag = std::getenv("ROPE_EXPORT_PLUGIN_STATIC_REGISTRATION");
-        if (flag != nullptr && std::strcmp(flag, "0") == 0)
-        {
-            return;
-        }
-        if (!getPluginRegistry()->registerCreator(mCreator, kPluginNamespace))
-        {
-            log(nvinfer1::ILogger::Severity::kWARNING, "a RotaryEmbedding creator (version 1, namespace rope_export) "
-                                                       "is already registered; keeping that one");
-        }
-    }
-
-private:
-    RotaryPluginCreator mCreator;
-};
-
-StaticRegistrar gStaticRegistrar;
-
-} // namespace
 } // namespace rope
-
-// Entry points of a TensorRT plugin library (trtexec --dynamicPlugins, IPluginRegistry::loadLibrary).
-// Exported explicitly: TENSORRTAPI is empty outside TensorRT's own build, and we build with
-// -fvisibility=hidden.
-#define ROPE_PLUGIN_EXPORT __attribute__((visibility("default")))
-
-extern "C" ROPE_PLUGIN_EXPORT void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
-{
-    rope::gLoggerFinder.store(finder);
-}
-
-extern "C" ROPE_PLUGIN_EXPORT nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
-{
-    static rope::RotaryPluginCreator creator;
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator};
-    nbCreators = 1;
-    return creators;
-}

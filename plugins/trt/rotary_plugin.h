@@ -1,6 +1,8 @@
-// TensorRT IPluginV3 glue of the rotary op: plugin "RotaryEmbedding", version "1", namespace
-// "rope_export". Every decision that is not a TensorRT call is delegated to the TensorRT-free core
-// (core/rope_core.h), which the CPU twin library exports and pytest tests.
+// TensorRT IPluginV3 glue of the rotary op: plugin "RopeExportRotaryEmbedding", version "1",
+// namespace "rope_export". Every decision that is not a TensorRT call is delegated to the
+// TensorRT-free core (core/rope_core.h), which the CPU twin library exports and pytest tests.
+// How the creator reaches TensorRT: static_registration.cpp (librope_export_trt_plugin.so) or
+// library_entry.cpp (librope_export_trt_vc_plugin.so).
 #pragma once
 
 #include "../core/rope_core.h"

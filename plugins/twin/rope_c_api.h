@@ -105,6 +105,11 @@ ROPE_API int32_t rope_output_dtype(const char* const* input_dtypes, int32_t nb_i
 /* Runs the kernels' code on the CPU over the same grid as the GPU launch. plan may be NULL. */
 ROPE_API int32_t rope_twin_run(const RopeTwinArgs* args, RopeTwinPlan* plan, char* err, int64_t err_len);
 
+/* The message the kernels give for a GPU this build has no kernel image for (core/device_support.h);
+ * built_archs like "75,80,90". Returns non-zero if out is too small. */
+ROPE_API int32_t rope_no_kernel_image_message(const char* device_name, int32_t major, int32_t minor,
+    const char* built_archs, char* out, int64_t out_len);
+
 #ifdef __cplusplus
 }
 #endif

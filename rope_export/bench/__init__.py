@@ -134,7 +134,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "block": lambda: block.run_section(config.block_cases, config.threads, config.block_rounds,
                                            config.profile_runs, say),
         "twin": lambda: twin.run_section(table_cases, config.rounds, say),
-        "gpu": lambda: gpu.run_section(table_cases, config.rounds, say),
+        "gpu": lambda: gpu.run_section(config.mode, say),  # its own cases (issue 17): prefill 4096, decode 64
         "kernels": lambda: kernels.static_report(),
     }
     for name in SECTIONS:

@@ -144,20 +144,14 @@ def print_report(results: dict, console) -> None:
 
     gpu = sections.get("gpu")
     if gpu and gpu.get("status") == "measured":
+        from rope_export.bench import gpu as gpu_section
+
         peak = _fmt(gpu["peak_bandwidth_gb_per_s"], ".0f")
         t = Table(title=f"4. {gpu['title']} on {gpu['device']} (peak {peak} GB/s)")
-        for col in ("case", "runner", "median ms", "GB/s", "of peak", "speedup vs TRT decomposed", "of copy"):
+        for col in gpu_section.COLUMNS:
             t.add_column(col)
-        for c in gpu["cases"]:
-            case = f"{c['case']['phase']} {c['case']['dtype']}"
-            for v in c["variants"].values():
-                if "skipped" in v:
-                    t.add_row(case, v["label"], f"skipped: {v['skipped']}", "", "", "", "")
-                else:
-                    t.add_row(case, v["label"], _fmt(v["median_ms"], ".4f"), _fmt(v["gb_per_s"], ".0f"),
-                              _fmt(v["fraction_of_peak_bandwidth"], ".0%"),
-                              _fmt(v["speedup_vs_trt_decomposed"], ".2f", "x"), _fmt(v["fraction_of_copy"], ".2f"))
-                case = ""
+        for row in gpu_section.rows(gpu):
+            t.add_row(*row)
         console.print(t)
     elif gpu:
         console.print(f"[yellow]4. GPU section skipped[/yellow]: {gpu.get('reason')}", highlight=False)
@@ -293,25 +287,9 @@ def report_markdown(results: dict) -> str:
         lines.append("")
     gpu = s.get("gpu")
     if gpu:
-        lines += ["## 4. GPU", ""]
-        if gpu.get("status") != "measured":
-            lines += [f"Skipped: {gpu.get('reason')}. No GPU figure has been measured.", ""]
-        else:
-            lines += [f"{gpu['device']}, peak {_fmt(gpu['peak_bandwidth_gb_per_s'], '.0f')} GB/s "
-                      f"({gpu['peak_bandwidth_source']}). {gpu['timing']}.", "",
-                      "| case | runner | median ms | GB/s | of peak | speedup vs TRT decomposed |",
-                      "|---|---|---:|---:|---:|---:|"]
-            for c in gpu["cases"]:
-                for v in c["variants"].values():
-                    if "skipped" in v:
-                        lines.append(f"| {c['case']['phase']} {c['case']['dtype']} | {v['label']} | skipped: "
-                                     f"{v['skipped']} | | | |")
-                    else:
-                        lines.append(f"| {c['case']['phase']} {c['case']['dtype']} | {v['label']} | "
-                                     f"{_fmt(v['median_ms'], '.4f')} | {_fmt(v['gb_per_s'], '.0f')} | "
-                                     f"{_fmt(v['fraction_of_peak_bandwidth'], '.0%')} | "
-                                     f"{_fmt(v['speedup_vs_trt_decomposed'], '.2f', 'x')} |")
-            lines.append("")
+        from rope_export.bench import gpu as gpu_section
+
+        lines += ["## 4. GPU", ""] + gpu_section.markdown(gpu)
     kernels = s.get("kernels")
     if kernels:
         lines += ["## 5. CUDA kernels, static report", ""]

@@ -2,24 +2,47 @@
 
 The parser imports any op it has no importer for through its fallback plugin importer, which looks
 the plugin creator up by the node's op_type plus two *string attributes*, ``plugin_version``
-(default "1") and ``plugin_namespace`` (default ""), and passes every other attribute to the
-creator as a plugin field (onnx-tensorrt ``onnxOpImporters.cpp``, ``FallbackPluginImporter``).
-The node domain is not consulted; ``trt.plugins`` is the domain NVIDIA's ModelOpt gives plugin
-nodes, and it keeps the extra attributes away from the ``rope_export`` schema so that onnx.checker
-still passes. Inputs stay as they are (the plugin implements the whole contract: float32 caches
-under half X, pass-through for out-of-range positions).
+(default "1") and ``plugin_namespace`` (default ""), and passes the attributes the creator declares
+(``getFieldNames``) as plugin fields, INT attributes as INT32 x 1 (onnx-tensorrt
+``onnxOpImporters.cpp``, ``FallbackPluginImporter`` / ``loadFields``). An op type with a built-in
+importer never reaches a plugin: TensorRT >= 10.15 imports ``RotaryEmbedding`` as its own layer
+(same-typed caches, no position guard). So the node's op type is ``RopeExportRotaryEmbedding``,
+which no importer claims: without our plugin library the parse fails ("Plugin not found") instead
+of silently becoming TensorRT's layer.
+
+The node domain is not consulted by the parser; ``trt.plugins`` is the domain NVIDIA's ModelOpt
+gives plugin nodes, and it keeps the extra attributes away from the ``rope_export`` schema so that
+onnx.checker still passes. Inputs stay as they are (the plugin implements the whole contract:
+float32 caches under half X, pass-through for out-of-range positions).
+
+Files lowered before the rename carry op type ``RotaryEmbedding`` in ``trt.plugins``; they are
+the same op. ``RaiseTrtPluginNode`` turns either form back into rope_export::RotaryEmbedding, so
+``lower`` accepts such files (re-lowering one to ``trt-plugin`` writes the new op type), and
+``is_trt_plugin_node`` lets the runners and ``check`` read both.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
+from onnxscript.rewriter import pattern
 
-from rope_export.passes._lowering import LowerRotary, RotarySite
+from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
+from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, read_site
 
 TRT_PLUGIN_DOMAIN = "trt.plugins"
-PLUGIN_NAME = "RotaryEmbedding"
+PLUGIN_NAME = "RopeExportRotaryEmbedding"
+LEGACY_PLUGIN_NAME = "RotaryEmbedding"  # before the rename; TensorRT >= 10.15 claims it
+PLUGIN_OP_TYPES = (PLUGIN_NAME, LEGACY_PLUGIN_NAME)
 PLUGIN_NAMESPACE = "rope_export"
 PLUGIN_VERSION = "1"
+ROUTING_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+
+
+def is_trt_plugin_node(domain: str, op_type: str, namespace: str | bytes | None) -> bool:
+    """A node that targets our plugin: trt.plugins domain, either op type, namespace rope_export."""
+    if isinstance(namespace, bytes):
+        namespace = namespace.decode(errors="replace")
+    return domain == TRT_PLUGIN_DOMAIN and op_type in PLUGIN_OP_TYPES and namespace == PLUGIN_NAMESPACE
 
 
 class LowerToTrtPlugin(LowerRotary):
@@ -37,3 +60,53 @@ class LowerToTrtPlugin(LowerRotary):
             plugin_namespace=PLUGIN_NAMESPACE,
             plugin_version=PLUGIN_VERSION,
         )
+
+
+def _string_attr(node: ir.Node, name: str) -> str | None:
+    attr = node.attributes.get(name)
+    return None if attr is None or attr.type != ir.AttributeType.STRING else attr.as_string()
+
+
+class RaiseTrtPluginNode(pattern.RewriteRuleClassBase):
+    """A trt-plugin node of ours (``op_type``: the current or the legacy name) -> rope_export::RotaryEmbedding."""
+
+    def __init__(self, op_type: str):
+        super().__init__(name=f"raise-trt-plugin-{op_type}")
+        self.op_type = op_type
+
+    def pattern(self, op, x, cos, sin):
+        position_ids = pattern.Var("position_ids", can_match_none=True)
+        return getattr(op, self.op_type)(x, cos, sin, position_ids, _domain=TRT_PLUGIN_DOMAIN, _outputs=["y"])
+
+    def check(self, context, y, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        node = y.producer()
+        if not is_trt_plugin_node(node.domain, node.op_type, _string_attr(node, "plugin_namespace")):
+            return result.fail(f"plugin_namespace is not {PLUGIN_NAMESPACE!r}: another library's plugin", node)
+        if _string_attr(node, "plugin_version") not in (None, PLUGIN_VERSION):
+            return result.fail(f"plugin_version is not {PLUGIN_VERSION!r}", node)
+        try:
+            read_site(node)
+        except SiteError as exc:
+            return result.fail(str(exc), node)
+        return result
+
+    def rewrite(self, op, y, **_):
+        node = y.producer()
+        site = read_site(node)
+        inputs = [site.x, site.cos, site.sin] + ([site.position_ids] if site.position_ids is not None else [])
+        return op.op(OP_TYPE, *inputs, _domain=DOMAIN, _version=OP_VERSION, _name=node.name or None,
+                     **site.attrs.as_onnx_attributes())
+
+    def as_rule(self) -> pattern.RewriteRule:
+        return pattern.RewriteRule(self.pattern, self.rewrite, self.check, name=self.name)
+
+
+def raise_trt_plugin_nodes(model: ir.Model, legacy_only: bool = False) -> int:
+    """Turn our trt-plugin nodes back into rope_export::RotaryEmbedding, in place; returns how many.
+
+    ``legacy_only``: only those with the pre-rename op type (lowering to trt-plugin again leaves
+    current ones as they are). Nodes of other plugin libraries are left alone.
+    """
+    op_types = (LEGACY_PLUGIN_NAME,) if legacy_only else PLUGIN_OP_TYPES
+    return pattern.RewriteRuleSet([RaiseTrtPluginNode(t).as_rule() for t in op_types]).apply_to_model(model)

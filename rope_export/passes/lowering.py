@@ -20,7 +20,7 @@ from rope_export.passes._model import (
 from rope_export.passes.lower_decomposed import LowerToDecomposed
 from rope_export.passes.lower_onnx import LowerToOnnx
 from rope_export.passes.lower_ort import LowerToOrt
-from rope_export.passes.lower_trt_plugin import LowerToTrtPlugin
+from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, LowerToTrtPlugin, raise_trt_plugin_nodes
 
 TARGETS: dict[str, type[LowerRotary]] = {
     "trt-plugin": LowerToTrtPlugin,
@@ -30,7 +30,7 @@ TARGETS: dict[str, type[LowerRotary]] = {
 }
 
 TARGET_HELP = {
-    "trt-plugin": "RotaryEmbedding for TensorRT with the rope_export plugin library loaded",
+    "trt-plugin": f"{PLUGIN_NAME} for TensorRT with the rope_export plugin library loaded",
     "onnx": "ai.onnx RotaryEmbedding-23 (onnxruntime CPU/CUDA, TensorRT >= 10.15, onnx.reference)",
     "ort": "com.microsoft RotaryEmbedding (onnxruntime CPU/CUDA/DML/WebGPU)",
     "decomposed": "primitive ops only (runs anywhere)",
@@ -47,6 +47,9 @@ def _custom_nodes(model: ir.Model) -> list[ir.Node]:
 def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog | None = None):
     """Lower every rope_export::RotaryEmbedding node of ``model`` to ``target``.
 
+    Nodes already in the trt-plugin form (op type RopeExportRotaryEmbedding, or RotaryEmbedding from
+    before the rename, in domain trt.plugins with plugin_namespace rope_export) count as that op.
+
     ``model``: an onnx.ModelProto (returned as a new ModelProto), an onnx_ir.Model (lowered in
     place and returned; use the return value, an opset conversion may replace it) or a path.
     ``guard_positions`` (targets onnx and ort): keep the contract's pass-through for positions
@@ -59,6 +62,10 @@ def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog 
         raise PassError(f"unknown target {target!r}; choose one of: {', '.join(TARGETS)}")
     log = log if log is not None else LoweringLog()
     ir_model, kind = to_ir(model)
+    # trt-plugin nodes (either op type) are the same op; re-lowering to trt-plugin renames old ones only
+    raised = raise_trt_plugin_nodes(ir_model, legacy_only=target == "trt-plugin")
+    if raised:
+        log.note(f"read {raised} trt-plugin node(s) as {DOMAIN}::{OP_TYPE}")
     if not _custom_nodes(ir_model):
         log.note(f"no {DOMAIN}::{OP_TYPE} node in the model; nothing to lower")
         return from_ir(ir_model, kind)

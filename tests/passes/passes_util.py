@@ -19,7 +19,7 @@ from onnx.reference.op_run import OpRun
 from rope_export.contract import DOMAIN, RotaryAttrs
 from rope_export.onnx_op import RotaryEmbedding as RopeOpRun
 from rope_export.onnx_op import make_rotary_node, rotary_numpy
-from rope_export.passes.lower_trt_plugin import TRT_PLUGIN_DOMAIN
+from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, TRT_PLUGIN_DOMAIN
 from rope_export.reference import rotary_embedding
 from rope_export.runners import to_numpy, to_torch
 
@@ -32,7 +32,7 @@ class TrtPluginRotary(OpRun):
     """The trt-plugin node for onnx.reference: the contract, ignoring the routing attributes."""
 
     op_domain = TRT_PLUGIN_DOMAIN
-    op_name = "RotaryEmbedding"
+    op_name = PLUGIN_NAME
 
     def _run(self, X, cos_cache, sin_cache, position_ids=None, interleaved=None, num_heads=None,
              rotary_embedding_dim=None, plugin_namespace=None, plugin_version=None):
@@ -41,7 +41,7 @@ class TrtPluginRotary(OpRun):
                              num_heads=num_heads or 0, rotary_embedding_dim=rotary_embedding_dim or 0),)
 
 
-TrtPluginRotary.__name__ = "RotaryEmbedding"
+TrtPluginRotary.__name__ = PLUGIN_NAME
 
 
 class MsRotary(OpRun):
