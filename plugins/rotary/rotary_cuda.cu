@@ -19,6 +19,10 @@ cudaError_t launch_cuda(Problem const& p, bool force_scalar, cudaStream_t stream
     {
         return cudaSuccess;
     }
+    if (misaligned_tensor(p) != nullptr)
+    {
+        return cudaErrorMisalignedAddress; // every access assumes element alignment
+    }
     dim3 const grid(static_cast<unsigned>(l.grid_x), static_cast<unsigned>(l.grid_y));
     dim3 const block(static_cast<unsigned>(l.block_x), static_cast<unsigned>(l.block_y));
     bool const ok = dispatch(p, l, [&](auto kernel) { rotary_kernel<decltype(kernel)><<<grid, block, 0, stream>>>(p, l); });

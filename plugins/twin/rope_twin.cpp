@@ -41,6 +41,12 @@ bool bad_rank(int32_t rank)
     return rank < 0 || rank > rope::kMaxRank;
 }
 
+// A shape array is needed as soon as its rank is positive.
+bool missing_dims(int64_t const* d, int32_t rank)
+{
+    return rank > 0 && d == nullptr;
+}
+
 int32_t copy_out(std::string const& s, char* out, int64_t out_len)
 {
     if (out == nullptr || out_len <= static_cast<int64_t>(s.size()))
@@ -103,6 +109,11 @@ int32_t rope_resolve_shape(int64_t const* x, int32_t x_rank, int64_t const* cos,
     {
         return report("tensor ranks must be in [0, 8]", err, err_len);
     }
+    if (missing_dims(x, x_rank) || missing_dims(cos, cos_rank) || missing_dims(sin, sin_rank)
+        || missing_dims(position_ids, position_ids_rank))
+    {
+        return report("a shape pointer is null while its rank is positive", err, err_len);
+    }
     rope::Dims const xd = to_dims(x, x_rank);
     rope::Dims const cd = to_dims(cos, cos_rank);
     rope::Dims const sd = to_dims(sin, sin_rank);
@@ -153,6 +164,10 @@ int32_t rope_parse_fields(
     {
         return report("phase must be 0 (build) or 1 (runtime)", err, err_len);
     }
+    if (out == nullptr)
+    {
+        return report("no output array for the 3 attributes", err, err_len);
+    }
     // RopeField and rope::Field have the same members; copy rather than pun.
     std::vector<rope::Field> fs;
     if (fields != nullptr && count > 0)
@@ -176,19 +191,24 @@ int32_t rope_parse_fields(
     return 0;
 }
 
-int32_t rope_serialize_fields(
-    int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim, RopeField fields[3], int32_t values[3])
+int32_t rope_serialize_fields(int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim,
+    RopeField fields[3], int32_t values[3], char* err, int64_t err_len)
 {
+    if (fields == nullptr || values == nullptr)
+    {
+        return report("no output arrays for the fields and their values", err, err_len);
+    }
     rope::Attrs const attrs{interleaved, num_heads, rotary_embedding_dim};
     int32_t vals[rope::kNumFields];
     rope::Field fs[rope::kNumFields];
-    rope::serialize_fields(attrs, vals, fs);
+    std::string msg;
+    bool const ok = rope::serialize_fields(attrs, vals, fs, msg); // all zero when refused
     for (int32_t k = 0; k < rope::kNumFields; ++k)
     {
         values[k] = vals[k];
         fields[k] = RopeField{fs[k].name, &values[k], static_cast<int32_t>(fs[k].type), fs[k].length};
     }
-    return 0;
+    return ok ? 0 : report(msg, err, err_len);
 }
 
 int32_t rope_metadata_string(
@@ -279,6 +299,13 @@ int32_t rope_twin_run(RopeTwinArgs const* a, RopeTwinPlan* plan_out, char* err, 
     }
     rope::Problem const p = rope::make_problem(
         g, a->interleaved != 0, x_type, cache_type, a->x, a->cos_cache, a->sin_cache, a->position_ids, a->out);
+    int32_t element_bytes = 0;
+    if (char const* bad = rope::misaligned_tensor(p, &element_bytes); bad != nullptr && elems > 0)
+    {
+        return report(std::string(bad) + "'s data pointer is not aligned to its " + std::to_string(element_bytes)
+                + "-byte elements; the kernels (and a GPU) need element-aligned tensors: pass an aligned copy",
+            err, err_len);
+    }
     rope::Plan const l = rope::make_plan(p, a->force_scalar != 0);
     if (plan_out != nullptr)
     {
