@@ -62,14 +62,31 @@ def _check_writable(path: Path) -> Path:
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"cannot write {path}: the folder {parent} is not writable")
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+        _probe(parent, path.name)
     except OSError as exc:
         problem = (exc.strerror or str(exc)).lower()
         raise PermissionError(f"cannot write {path}: the folder {parent} refuses new files ({problem}); choose another "
                               "folder") from None
-    os.close(fd)
-    os.unlink(probe)
     return parent
+
+
+def _probe(folder: Path, name: str) -> None:
+    """Create and remove a file in ``folder``. An unnamed one where the file system allows
+    (O_TMPFILE): then a signal arriving meanwhile cannot leave a name behind."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if flag:
+        try:
+            os.close(os.open(folder, flag | os.O_WRONLY, 0o600))
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    probe = folder / f".{name}.{os.getpid()}.probe.tmp"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            probe.unlink()
 
 
 @contextlib.contextmanager

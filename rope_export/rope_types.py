@@ -220,7 +220,7 @@ def _as_float(value) -> float:
     try:
         return float(value)
     except OverflowError:  # an int past float's range; the bounds check then names it as not finite
-        return math.copysign(math.inf, value)
+        return math.inf if value > 0 else -math.inf
 
 
 # -- the registry ----------------------------------------------------------------------------
