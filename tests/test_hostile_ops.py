@@ -170,3 +170,29 @@ def test_lowered_files_run_an_empty_batch_or_sequence(target, layout, batch, seq
     assert _ort(lowered, feeds).shape == tuple(shape)
     if target != "ort":
         assert ReferenceEvaluator(lowered).run(None, feeds)[0].shape == tuple(shape)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="dynamic", factor=2.0, max_position_embeddings=8),
+    dict(rope_type="longrope", original_max_position_embeddings=8, max_position_embeddings=32,
+         short_factor=[1.0] * 8, long_factor=[2.0] * 8),
+])
+def test_seq_len_dependent_blocks_run_an_empty_batch(rope):
+    """max(position_ids) of an empty batch raised "Expected reduction dim" (a traceback)."""
+    from rope_export.modules import AttentionConfig, RoPEAttention
+    from rope_export.rope_types import RopeConfig
+
+    block = RoPEAttention(AttentionConfig(64, 4, 2, 16), RopeConfig(head_dim=16, **rope)).eval()
+    with torch.no_grad():
+        out, key, _ = block(torch.randn(0, 3, 64), torch.zeros(0, 3, dtype=torch.long))
+        assert out.shape == (0, 3, 64) and key.shape == (0, 2, 3, 16)
+        # the guard (a 0 among the positions) leaves the frequencies of a non-empty batch as they were
+        from rope_export.rope_types import inv_freq_and_scaling
+
+        positions = torch.tensor([[0, 5, 20], [1, 2, 3]])  # past the switch length of both schemes
+        cos, sin, pos = block.rotary.cos_sin(positions)
+        inv_freq, scaling = inv_freq_and_scaling(block.rotary.config, torch.tensor(21))
+        angles = positions.float().unsqueeze(-1) * inv_freq.float()
+        assert pos is None
+        torch.testing.assert_close(cos, torch.cos(angles) * scaling)
+        torch.testing.assert_close(sin, torch.sin(angles) * scaling)
