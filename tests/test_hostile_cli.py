@@ -119,19 +119,24 @@ def test_an_existing_output_that_is_not_a_regular_file_is_refused(capsys, tmp_pa
     assert "is not a regular file" in err
 
 
-def test_an_unexpected_exception_is_one_line_with_where_to_find_the_traceback(capsys, monkeypatch):
-    def boom(args):
-        raise RuntimeError("something inside\nspanning lines")
+def _presets_raises(monkeypatch, error: BaseException) -> None:
+    """`rope-export presets` raising ``error``: the handler is what is under test."""
+    def fail(args):
+        raise error
 
     parser = cli.build_parser
 
     def patched():
         p = parser()
         for action in p._subparsers._group_actions:
-            action.choices["presets"].set_defaults(func=boom)
+            action.choices["presets"].set_defaults(func=fail)
         return p
 
     monkeypatch.setattr(cli, "build_parser", patched)
+
+
+def test_an_unexpected_exception_is_one_line_with_where_to_find_the_traceback(capsys, monkeypatch):
+    _presets_raises(monkeypatch, RuntimeError("something inside\nspanning lines"))
     err = _run(capsys, ["presets"], code=1)
     assert err == ("rope-export presets: internal error: RuntimeError: something inside spanning lines (a bug in "
                    "rope-export or a library; run again with --debug or ROPE_EXPORT_DEBUG=1 for the traceback)")
@@ -152,18 +157,7 @@ def test_an_unexpected_exception_is_one_line_with_where_to_find_the_traceback(ca
     ],
 )
 def test_the_handler_catches_every_bad_input_class_in_one_line(capsys, monkeypatch, error):
-    def fail(args):
-        raise error
-
-    parser = cli.build_parser
-
-    def patched():
-        p = parser()
-        for action in p._subparsers._group_actions:
-            action.choices["presets"].set_defaults(func=fail)
-        return p
-
-    monkeypatch.setattr(cli, "build_parser", patched)
+    _presets_raises(monkeypatch, error)
     err = _run(capsys, ["presets"])
     if isinstance(error, OSError) and error.filename:
         assert err == f"rope-export presets: error: cannot use {error.filename}: {error.strerror.lower()}"
