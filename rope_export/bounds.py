@@ -4,7 +4,7 @@ One place for both, so a preset, a transformers config or a command-line option 
 the same kind of message, before any work: ``check_int``/``check_number``/``check_bool`` name the
 field and what it must be (``num_heads = true`` is not 1 head, ``factor = inf`` is not a factor),
 and ``check_allocation`` says what would be allocated and refuses what this machine cannot hold
-(``--cache-len 1000000000`` is 256 GB of float64 angles before any export starts).
+(``--cache-len 1000000000`` is 238 GiB of float64 angles and caches for the tiny preset).
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def available_memory() -> int | None:
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1024 or unit == "PB":
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

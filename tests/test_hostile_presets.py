@@ -169,15 +169,15 @@ def test_factor_lists_refuse_non_finite_and_non_positive_entries():
 # -- sizes: say what would be allocated, allocate nothing ------------------------------------------
 
 def test_a_huge_cache_is_refused_before_it_is_built():
-    with pytest.raises(bounds.AllocationError, match=r"would allocate .* TB .*--cache-len"):
+    with pytest.raises(bounds.AllocationError, match=r"would allocate .* TiB .*--cache-len"):
         build_caches(RopeConfig(head_dim=128, max_position_embeddings=2**31 - 1))
 
 
 @pytest.mark.parametrize(
     "changes, words",
     [
-        ({"num_heads": 10**8, "num_kv_heads": 10**8}, ["q/k/v/o weights", "TB", "num_heads"]),
-        ({"hidden_size": 2**31 - 1}, ["q/k/v/o weights", "TB"]),
+        ({"num_heads": 10**8, "num_kv_heads": 10**8}, ["q/k/v/o weights", "TiB", "num_heads"]),
+        ({"hidden_size": 2**31 - 1}, ["q/k/v/o weights", "TiB"]),
     ],
 )
 def test_a_huge_block_is_refused_saying_what_it_would_allocate(tmp_path, changes, words):
@@ -200,7 +200,7 @@ def test_the_allocation_limit_is_the_memory_available():
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--cache-len", "1000000000"], ["would allocate", "GB", "--cache-len"]),
+        (["--cache-len", "1000000000"], ["would allocate", "GiB", "--cache-len"]),
         (["--seed", str(2**80)], ["seed", "2**64 - 1", str(2**80)]),
         (["--seed", str(-(2**63) - 1)], ["seed", "-2**63"]),
     ],
@@ -221,3 +221,15 @@ def test_a_hostile_preset_file_through_the_cli_is_one_line(tmp_path, capsys):
         assert main(command) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "'rope_theta': must be a finite number, got inf" in err
+
+
+def test_a_transformers_config_with_a_huge_vocabulary_is_sized_before_it_is_built(tmp_path, capsys):
+    """vocab_size = 1e10: measured on the meta device (nothing allocated), refused in one line."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=10**10, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config.save_pretrained(tmp_path / "config")
+    assert main(["export", "--hf", str(tmp_path / "config"), "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "the llama model would allocate 4.7 TiB" in err and "vocab_size" in err
