@@ -161,3 +161,22 @@ def test_the_handler_catches_every_bad_input_class_in_one_line(capsys, monkeypat
     err = _run(capsys, ["presets"])
     if isinstance(error, OSError) and error.filename:
         assert err == f"rope-export presets: error: cannot use {error.filename}: {error.strerror.lower()}"
+
+
+def test_check_of_a_file_whose_metadata_asks_for_a_huge_block_is_one_line(files, capsys):
+    """check rebuilds the block from the file's metadata: sizes there are bounded like a preset's."""
+    import json
+
+    from rope_export.export import preset_metadata
+    from rope_export.presets import load_preset
+
+    model = onnx.load(files / "valid.onnx")
+    metadata = preset_metadata(load_preset("tiny"), "fp32", 0, None, False)
+    preset = json.loads(metadata["rope_export.preset"])
+    preset["attention"].update(num_heads=10**8, num_kv_heads=10**8)
+    metadata["rope_export.preset"] = json.dumps(preset)
+    for key, value in metadata.items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, files / "huge.onnx")
+    err = _run(capsys, ["check", str(files / "huge.onnx")])
+    assert "the attention block would allocate" in err and "TiB" in err
