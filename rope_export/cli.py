@@ -3,13 +3,23 @@
 Each subcommand lives in the module that implements it, as a ``register(subparsers)`` function
 that adds its parser and sets ``func``; this file only lists those modules, so adding a command
 is adding a line to ``COMMAND_MODULES``.
+
+It also owns what every command shares at its edge: an error is one line on stderr, never a
+traceback (exit 2 for bad input, 1 for an internal error, with ``--debug`` for the traceback), and
+SIGINT/SIGTERM stop the command like an exception, so the atomic writers' cleanup runs and no
+temporary file is left (exit 128 + the signal number).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
+import os
+import signal
 import sys
+from collections.abc import Iterator
 
 COMMAND_MODULES = [
     "rope_export.presets",
@@ -21,10 +31,48 @@ COMMAND_MODULES = [
     "rope_export.bench",
     "rope_export.demo",
 ]
+DEBUG_ENV = "ROPE_EXPORT_DEBUG"
+# Libraries that log exceptions with their tracebacks (onnx_ir's shape inference does, before our
+# own error says what is wrong); quiet unless --debug.
+NOISY_LOGGERS = ("onnx_ir", "onnxscript")
 
 
 class CLIError(Exception):
     """An error the user can fix; printed as one line without a traceback, exit code 2."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM, raised where the main thread is, like KeyboardInterrupt.
+
+    A BaseException, so no ``except Exception`` in the package turns it into another error, and
+    every ``finally`` (the atomic writers' temp-file cleanup) runs on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Every error class that means bad input (a file, a path, an option, a preset): one line, exit 2.
+
+    The package's own errors are ValueError subclasses (RotaryContractError, PresetError,
+    RopeConfigError, AttentionConfigError, bounds.FieldError/AllocationError, ExportError,
+    PassError, CheckError, PluginFieldError, ...) or CLIError; file problems are OSError
+    (missing, a folder, a name too long, no permission, a full disk); a file that is not ONNX
+    fails in protobuf or onnx's checker; a request too big for the memory is MemoryError."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    return (
+        CLIError,
+        ValueError,
+        OSError,
+        MemoryError,
+        DecodeError,
+        onnx.checker.ValidationError,
+        onnx.shape_inference.InferenceError,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,19 +80,94 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rope-export",
         description="Export RoPE attention blocks to ONNX with one rotary op, lower and check them.",
     )
+    debug_help = f"show the full traceback of an error (also: {DEBUG_ENV}=1) and the libraries' own logged errors"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    for sub in subparsers.choices.values():  # `rope-export export --debug ...` works too
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+@contextlib.contextmanager
+def signals_as_exceptions() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted in the main thread; a second signal while the first
+    unwinds is ignored, so cleanup is not cut short (SIGKILL still ends a stuck process)."""
+    caught: list[int] = []
+
+    def handler(signum, _frame):
+        if caught:
+            return
+        caught.append(signum)
+        raise Interrupted(signum)
+
+    previous = {}
     try:
-        return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError, PermissionError) as exc:
-        print(f"rope-export {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, handler)
+    except ValueError:  # not the main thread (an embedding host): keep Python's defaults
+        pass
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+@contextlib.contextmanager
+def quiet_libraries(debug: bool) -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    if not debug:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (messages from onnx or torch can span many).
+
+    An OSError from the standard library ("[Errno 17] File exists: 'out'") reads as the path and
+    the problem; the package's own OSErrors carry a whole sentence and no errno."""
+    if isinstance(exc, OSError) and exc.errno is not None and exc.strerror:
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"cannot use{where}: {exc.strerror.lower()}"
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    prefix = "rope-export"
+    # The handlers go in first: importing the commands (torch, onnx) takes seconds too.
+    with signals_as_exceptions(), quiet_libraries(debug or "--debug" in (sys.argv if argv is None else argv)):
+        try:
+            args = build_parser().parse_args(argv)
+            debug = debug or args.debug
+            prefix = f"rope-export {args.command}"
+            return int(args.func(args) or 0)
+        except Interrupted as exc:
+            if debug:
+                raise
+            print(f"{prefix}: interrupted by {exc.name}; files are written atomically, so an output is either "
+                  "complete or absent (no temporary file is left)", file=sys.stderr)
+            return 128 + exc.signum
+        except user_errors() as exc:
+            if debug:
+                raise
+            print(f"{prefix}: error: {one_line(exc)}", file=sys.stderr)
+            return 2
+        except Exception as exc:
+            if debug:
+                raise
+            print(f"{prefix}: internal error: {type(exc).__name__}: {one_line(exc)} (a bug in rope-export or a "
+                  f"library; run again with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

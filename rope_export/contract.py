@@ -15,8 +15,9 @@ OP_TYPE = "RotaryEmbedding"
 OP_VERSION = 1
 TORCH_OP_NAME = "rope_export::rotary_embedding"
 
-# What a position outside [0, max_pos) does: the token is passed through unchanged (identity
-# rotation, cos=1 and sin=0), and no implementation reads outside the cache. Chosen because a GPU
+# What a position outside [0, max_pos) does: the token is passed through unchanged (copied bit for
+# bit, inf and nan included: a select, not an identity rotation), and no implementation reads
+# outside the cache. Chosen because a GPU
 # kernel cannot raise, because onnxruntime's CUDA kernel already behaves so, and because it keeps
 # padding positions (often -1) harmless. ``rope-export check`` feeds such positions on purpose.
 OUT_OF_RANGE = "pass-through"

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from rope_export import __version__, contract, ops
+from rope_export.bounds import check_allocation, module_bytes
 from rope_export.export import (
     DTYPES,
     INPUT_NAMES,
@@ -568,6 +569,10 @@ def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: s
     auto = getattr(transformers, auto_name)
     torch_dtype = DTYPES[dtype]
     try:
+        # Size first, on the meta device (nothing allocated): a vocab_size of 1e10 is refused here.
+        size = module_bytes(lambda: auto.from_config(config, attn_implementation="eager", dtype=torch_dtype))
+        check_allocation(f"the {model_type} model", {"parameters and buffers": size},
+                         "check the config's sizes (vocab_size, hidden_size, num_hidden_layers, ...)")
         if weights is None:
             torch.manual_seed(seed)
             model = auto.from_config(config, attn_implementation="eager", dtype=torch_dtype)

@@ -13,12 +13,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rope_export import ops
-from rope_export.rope_types import RopeConfig, build_caches, inv_freq_and_scaling
+from rope_export import bounds, ops
+from rope_export.rope_types import RopeConfig, build_caches, cache_build_bytes, cache_rows, inv_freq_and_scaling
 
 
 class AttentionConfigError(ValueError):
-    """An attention shape that cannot be built; the message names the field."""
+    """An attention shape that cannot be built; the message names the field (also in ``field``)."""
+
+    def __init__(self, message: str, field: str | None = None, problem: str | None = None):
+        super().__init__(message)
+        self.field, self.problem = field, problem
+
+
+def _attention_fail(field: str, problem: str):
+    raise AttentionConfigError(f"attention field '{field}': {problem}", field, problem)
 
 
 @dataclass(frozen=True)
@@ -32,13 +40,17 @@ class AttentionConfig:
     softmax_scale: float | None = None  # default head_dim ** -0.5
 
     def __post_init__(self) -> None:
+        # Types, ranges and finiteness through rope_export.bounds: num_heads = true is not 1 head.
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise AttentionConfigError(f"attention field '{name}': must be a positive integer, got {value!r}")
+            high = bounds.MAX_HEAD_DIM if name == "head_dim" else bounds.INT32_MAX
+            bounds.check_int(name, getattr(self, name), 1, high, fail=_attention_fail)
+        for name in ("qkv_bias", "o_bias"):
+            bounds.check_bool(name, getattr(self, name), fail=_attention_fail)
+        if self.softmax_scale is not None:
+            bounds.check_number("softmax_scale", self.softmax_scale, 0.0, low_open=True, fail=_attention_fail)
         if self.num_heads % self.num_kv_heads:
-            raise AttentionConfigError(
-                f"attention field 'num_kv_heads': {self.num_kv_heads} does not divide num_heads={self.num_heads} "
+            _attention_fail(
+                "num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads} "
                 "(grouped-query attention shares each kv head among a whole number of query heads)"
             )
 
@@ -85,7 +97,9 @@ class RotaryEmbedding(nn.Module):
         check_position_ids(position_ids)
         if not self.config.seq_len_dependent:
             return self.cos_cache, self.sin_cache, position_ids
-        seq_len = position_ids.max() + 1
+        # max + 1 over the positions and a 0: an empty batch (B = 0) has no max of its own, and
+        # a length of 1 computes the same frequencies as any length up to the trained one.
+        seq_len = torch.cat((position_ids.reshape(-1), position_ids.new_zeros(1))).max() + 1
         inv_freq, scaling = inv_freq_and_scaling(self.config, seq_len)
         angles = position_ids.float().unsqueeze(-1) * inv_freq.float()
         return torch.cos(angles) * scaling, torch.sin(angles) * scaling, None
@@ -128,9 +142,13 @@ def _rotary_decomposed(x, cos, sin, position_ids, config: RopeConfig, num_heads:
     return out.flatten(-2) if x.dim() == 3 else out
 
 
+class PositionIdsError(TypeError, ValueError):
+    """position_ids of the wrong dtype: a TypeError, and a ValueError so the CLI reports it as bad input."""
+
+
 def check_position_ids(position_ids: torch.Tensor) -> None:
     if position_ids.dtype != torch.int64:
-        raise TypeError(f"position_ids must be int64, got {position_ids.dtype}; cast them with .long()")
+        raise PositionIdsError(f"position_ids must be int64, got {position_ids.dtype}; cast them with .long()")
     if position_ids.dim() != 2:
         raise ValueError(f"position_ids must be [B, S], got shape {list(position_ids.shape)}")
 
@@ -152,6 +170,7 @@ class RoPEAttention(nn.Module):
             )
         self.attention = attention
         a = attention
+        check_block_memory(attention, rope, cache_len)
         self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
@@ -182,6 +201,21 @@ class RoPEAttention(nn.Module):
         out = causal_attention(q, repeat_kv(k, a.num_heads), repeat_kv(v, a.num_heads), a.scale)
         out = out.transpose(1, 2).reshape(batch, seq, a.num_heads * a.head_dim)
         return self.o_proj(out), k, v
+
+
+def check_block_memory(attention: AttentionConfig, rope: RopeConfig, cache_len: int | None = None) -> None:
+    """Refuse, before allocating, a block this machine cannot hold; say what it would allocate.
+
+    Weights are counted in float32 (a block is built in float32, then cast); caches at the peak of
+    building them in float64. A preset with 10**6 heads or a cache of 10**9 rows stops here."""
+    a = attention
+    projections = 2 * a.hidden_size * a.num_heads * a.head_dim + 2 * a.hidden_size * a.num_kv_heads * a.head_dim
+    weights = 4 * projections
+    caches = 0 if rope.seq_len_dependent else cache_build_bytes(rope, cache_rows(rope, cache_len))
+    fix = ("use a smaller cache length (--cache-len)" if caches > weights
+           else "use smaller hidden_size/num_heads/head_dim (a real attention layer is a few GB at most)")
+    bounds.check_allocation("the attention block", {"q/k/v/o weights (float32)": weights,
+                                                    "cos/sin caches (built in float64)": caches}, fix)
 
 
 def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:

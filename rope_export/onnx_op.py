@@ -98,11 +98,11 @@ def rotary_numpy(x, cos_cache, sin_cache, position_ids=None, *, interleaved=0, n
         )
     check_dtypes(x.dtype.name, cos_cache.dtype.name, None if position_ids is None else position_ids.dtype.name)
     cos, sin = cos_cache.astype(np.float32), sin_cache.astype(np.float32)
+    valid = None  # [B, S]: tokens whose position lies in the cache; None: all (per-token caches)
     if position_ids is not None:
         valid = (position_ids >= 0) & (position_ids < shape.max_pos)
         rows = np.where(valid, position_ids, 0)
-        cos = np.where(valid[..., None], cos[rows], np.float32(1))
-        sin = np.where(valid[..., None], sin[rows], np.float32(0))
+        cos, sin = cos[rows], sin[rows]
     # [B, S, H, D] view of X; cos/sin [B, S, 1, rd/2]
     if shape.layout == "bhsd":
         xs = np.transpose(x, (0, 2, 1, 3))
@@ -121,6 +121,8 @@ def rotary_numpy(x, cos_cache, sin_cache, position_ids=None, *, interleaved=0, n
         out[..., 0:rd:2], out[..., 1:rd:2] = y1.astype(x.dtype), y2.astype(x.dtype)
     else:
         out[..., :half], out[..., half:rd] = y1.astype(x.dtype), y2.astype(x.dtype)
+    if valid is not None:  # the contract's pass-through is a copy (inf and nan bit for bit), not a rotation
+        out = np.where(valid[:, :, None, None], out, xs)
     if shape.layout == "bhsd":
         return np.ascontiguousarray(np.transpose(out, (0, 2, 1, 3)))
     return out.reshape(x.shape)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ TRT_VC_PLUGIN_LIBRARY = "librope_export_trt_vc_plugin.so"  # for IPluginRegistry
 CUDA_LIBRARY = "librope_export_cuda.so"  # the kernels behind PyTorch's CUDA op (rope_export/cuda.py)
 # Every GPU TensorRT 10/11 runs on (Turing .. Blackwell); the build adds PTX of the newest.
 CUDA_ARCHS = (75, 80, 86, 89, 90, 100, 120)
-C_API_VERSION = 1
+C_API_VERSION = 2
 MAX_RANK = 8
 
 # nvinfer1::PluginFieldType codes (the twin's RopeField uses the same numbers).
@@ -157,7 +158,10 @@ def _load(path: str) -> ctypes.CDLL:
             [_p(_Field), ctypes.c_int32, ctypes.c_int32, _p(ctypes.c_int64), ctypes.c_char_p, ctypes.c_int64],
             ctypes.c_int32,
         ),
-        "rope_serialize_fields": ([ctypes.c_int64] * 3 + [_p(_Field), _p(ctypes.c_int32)], ctypes.c_int32),
+        "rope_serialize_fields": (
+            [ctypes.c_int64] * 3 + [_p(_Field), _p(ctypes.c_int32), ctypes.c_char_p, ctypes.c_int64],
+            ctypes.c_int32,
+        ),
         "rope_metadata_string": ([ctypes.c_int64] * 3 + [ctypes.c_char_p, ctypes.c_int64], ctypes.c_int32),
         "rope_supports_combination": (
             [ctypes.c_int32, _p(ctypes.c_char_p), _p(ctypes.c_int32), ctypes.c_int32, ctypes.c_int32],
@@ -200,11 +204,36 @@ def plugin_identity() -> tuple[str, str, str]:
     return tuple(f().decode() for f in (lib.rope_plugin_name, lib.rope_plugin_version, lib.rope_plugin_namespace))
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _c_int(value, what: str, bits: int = 64) -> int:
+    """``value`` as a Python int that fits a C int of ``bits`` bits.
+
+    ctypes wraps an int that does not fit (2**64 + 1 becomes 1) and takes True for 1; both would
+    reach the C rules as some other, valid-looking value, so they are refused here.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise RotaryContractError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    low, high = (_INT64_MIN, _INT64_MAX) if bits == 64 else (_INT32_MIN, _INT32_MAX)
+    if not low <= value <= high:
+        raise RotaryContractError(f"{what} = {value} does not fit a {bits}-bit integer ([{low}, {high}])")
+    return value
+
+
 def _dims(shape) -> tuple[ctypes.Array, int]:
-    shape = [int(d) for d in shape]
+    shape = [_c_int(d, "a dimension") for d in shape]
     if len(shape) > MAX_RANK:
         raise RotaryContractError(f"tensor rank {len(shape)} is outside [0, {MAX_RANK}]")
     return (ctypes.c_int64 * MAX_RANK)(*shape), len(shape)
+
+
+def _attr_ints(interleaved, num_heads, rotary_embedding_dim) -> tuple[int, int, int]:
+    """The three attributes as C int64s; ``interleaved`` may be a bool."""
+    flag = int(interleaved) if isinstance(interleaved, bool) else _c_int(interleaved, "interleaved")
+    return flag, _c_int(num_heads, "num_heads"), _c_int(rotary_embedding_dim, "rotary_embedding_dim")
 
 
 def _enc(s: str | None) -> bytes | None:
@@ -221,7 +250,7 @@ def resolve_shape(x_shape, cos_shape, sin_shape, position_ids_shape, attrs: Rota
     p, pr = _dims(position_ids_shape) if position_ids_shape is not None else (_I64x8(), -1)
     rc = twin().rope_resolve_shape(
         x, xr, c, cr, s, sr, p, pr,
-        int(attrs.interleaved), int(attrs.num_heads), int(attrs.rotary_embedding_dim),
+        *_attr_ints(attrs.interleaved, attrs.num_heads, attrs.rotary_embedding_dim),
         ctypes.byref(geo), err, _ERR_LEN,
     )  # fmt: skip
     if rc:
@@ -236,9 +265,9 @@ def check_ranks(x_rank: int, cos_rank: int, sin_rank: int, position_ids_rank: in
     """The rank-only shape rules the plugin applies before TensorRT knows the sizes."""
     err = ctypes.create_string_buffer(_ERR_LEN)
     pos = -1 if position_ids_rank is None else position_ids_rank
-    if twin().rope_check_ranks(
-        x_rank, cos_rank, sin_rank, pos, int(attrs.num_heads), int(attrs.rotary_embedding_dim), err, _ERR_LEN
-    ):
+    ranks = [_c_int(r, "a rank", 32) for r in (x_rank, cos_rank, sin_rank, pos)]
+    _, num_heads, rotary_dim = _attr_ints(0, attrs.num_heads, attrs.rotary_embedding_dim)
+    if twin().rope_check_ranks(*ranks, num_heads, rotary_dim, err, _ERR_LEN):
         raise RotaryContractError(err.value.decode())
 
 
@@ -260,11 +289,13 @@ class PluginField:
 
     @classmethod
     def int32(cls, name: str, *values: int) -> PluginField:
-        return cls(name, "INT32", b"".join(int(v).to_bytes(4, "little", signed=True) for v in values), len(values))
+        data = b"".join(_c_int(v, f"INT32 field {name!r}", 32).to_bytes(4, "little", signed=True) for v in values)
+        return cls(name, "INT32", data, len(values))
 
     @classmethod
     def int64(cls, name: str, *values: int) -> PluginField:
-        return cls(name, "INT64", b"".join(int(v).to_bytes(8, "little", signed=True) for v in values), len(values))
+        data = b"".join(_c_int(v, f"INT64 field {name!r}").to_bytes(8, "little", signed=True) for v in values)
+        return cls(name, "INT64", data, len(values))
 
     @classmethod
     def string(cls, name: str, text: str) -> PluginField:
@@ -287,8 +318,7 @@ def parse_fields(fields: list[PluginField], phase: int = BUILD) -> RotaryAttrs:
             buf = ctypes.create_string_buffer(f.data, len(f.data)) if f.data else None
             keep.append(buf)
             data = ctypes.cast(buf, ctypes.c_void_p) if buf is not None else None
-        type_code = FIELD_TYPES[f.type] if isinstance(f.type, str) else int(f.type)
-        arr[i] = _Field(name, data, type_code, int(f.length))
+        arr[i] = _Field(name, data, _field_type_code(f.type), _c_int(f.length, "a field length", 32))
     out = (ctypes.c_int64 * 3)()
     err = ctypes.create_string_buffer(_ERR_LEN)
     if twin().rope_parse_fields(arr, len(fields), int(phase), out, err, _ERR_LEN):
@@ -296,13 +326,26 @@ def parse_fields(fields: list[PluginField], phase: int = BUILD) -> RotaryAttrs:
     return RotaryAttrs(bool(out[0]), int(out[1]), int(out[2]))
 
 
+def _field_type_code(type_) -> int:
+    """An nvinfer1::PluginFieldType code from its name ("INT32") or its number."""
+    if isinstance(type_, str):
+        if type_ not in FIELD_TYPES:
+            raise PluginFieldError(f"unknown plugin field type {type_!r}; the types are {', '.join(FIELD_TYPES)}")
+        return FIELD_TYPES[type_]
+    try:
+        return _c_int(type_, "a plugin field type code", 32)
+    except RotaryContractError as exc:
+        raise PluginFieldError(str(exc)) from None
+
+
 def serialize_fields(attrs: RotaryAttrs) -> list[PluginField]:
-    """The fields getFieldsToSerialize hands TensorRT for ``attrs``."""
+    """The fields getFieldsToSerialize hands TensorRT for ``attrs`` (PluginFieldError if it refuses)."""
     arr = (_Field * 3)()
     values = (ctypes.c_int32 * 3)()
-    twin().rope_serialize_fields(
-        int(attrs.interleaved), int(attrs.num_heads), int(attrs.rotary_embedding_dim), arr, values
-    )
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    ints = _attr_ints(attrs.interleaved, attrs.num_heads, attrs.rotary_embedding_dim)
+    if twin().rope_serialize_fields(*ints, arr, values, err, _ERR_LEN):
+        raise PluginFieldError(err.value.decode())
     type_names = {v: k for k, v in FIELD_TYPES.items()}
     return [
         PluginField(f.name.decode(), type_names[f.type], ctypes.string_at(f.data, 4 * f.length), f.length) for f in arr
@@ -311,15 +354,19 @@ def serialize_fields(attrs: RotaryAttrs) -> list[PluginField]:
 
 def metadata_string(attrs: RotaryAttrs) -> str:
     out = ctypes.create_string_buffer(256)
-    twin().rope_metadata_string(int(attrs.interleaved), int(attrs.num_heads), int(attrs.rotary_embedding_dim), out, 256)
+    twin().rope_metadata_string(*_attr_ints(attrs.interleaved, attrs.num_heads, attrs.rotary_embedding_dim), out, 256)
     return out.value.decode()
 
 
 def supports_combination(pos: int, dtypes: list[str], linear: list[bool], nb_inputs: int, nb_outputs: int) -> bool:
     """supportsFormatCombination for I/O ``pos`` (inputs first, then the output)."""
-    names = (ctypes.c_char_p * len(dtypes))(*[_enc(d) for d in dtypes])
-    lin = (ctypes.c_int32 * len(linear))(*[int(bool(v)) for v in linear])
-    return bool(twin().rope_supports_combination(int(pos), names, lin, int(nb_inputs), int(nb_outputs)))
+    names = (ctypes.c_char_p * max(len(dtypes), 1))(*[_enc(d) for d in dtypes])
+    lin = (ctypes.c_int32 * max(len(linear), 1))(*[int(bool(v)) for v in linear])
+    # The C side reads nb_inputs + nb_outputs entries of each array: never more than were given.
+    pos, nb_inputs, nb_outputs = (_c_int(n, "an I/O index or count", 32) for n in (pos, nb_inputs, nb_outputs))
+    if nb_inputs + nb_outputs > min(len(dtypes), len(linear)):
+        return False
+    return bool(twin().rope_supports_combination(pos, names, lin, nb_inputs, nb_outputs))
 
 
 def output_dtype(input_dtypes: list[str], nb_outputs: int = 1) -> str:
@@ -327,7 +374,7 @@ def output_dtype(input_dtypes: list[str], nb_outputs: int = 1) -> str:
     names = (ctypes.c_char_p * max(len(input_dtypes), 1))(*[_enc(d) for d in input_dtypes])
     out = ctypes.create_string_buffer(64)
     err = ctypes.create_string_buffer(_ERR_LEN)
-    if twin().rope_output_dtype(names, len(input_dtypes), int(nb_outputs), out, 64, err, _ERR_LEN):
+    if twin().rope_output_dtype(names, len(input_dtypes), _c_int(nb_outputs, "nb_outputs", 32), out, 64, err, _ERR_LEN):
         raise RotaryContractError(err.value.decode())
     return out.value.decode()
 
@@ -336,9 +383,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _element_aligned(t: torch.Tensor) -> bool:
+    # torch.frombuffer(..., offset=2) makes a float32 tensor at an odd address; the kernels (like a
+    # GPU) need every pointer aligned to its element.
+    return t.data_ptr() % t.element_size() == 0
+
+
 def make_args(x, cos_cache, sin_cache, position_ids, out, *, interleaved=False, num_heads=0, rotary_embedding_dim=0,
               force_scalar=False, blocks=None) -> _TwinArgs:
     """The C ABI's description of one call (RopeTwinArgs) over contiguous tensors, on any device."""
+    interleaved, num_heads, rotary_embedding_dim = _attr_ints(interleaved, num_heads, rotary_embedding_dim)
+    block_range = (0, -1) if blocks is None else tuple(_c_int(b, "a grid block index") for b in blocks)
     args = _TwinArgs()
     args.x, args.cos_cache, args.sin_cache = _ptr(x), _ptr(cos_cache), _ptr(sin_cache)
     args.position_ids, args.out = _ptr(position_ids), _ptr(out)
@@ -351,9 +406,9 @@ def make_args(x, cos_cache, sin_cache, position_ids, out, *, interleaved=False, 
         args.position_ids_shape, args.position_ids_rank = _dims(position_ids.shape)
     else:
         args.position_ids_rank = -1
-    args.interleaved, args.num_heads, args.rotary_embedding_dim = int(interleaved), num_heads, rotary_embedding_dim
-    args.force_scalar = int(force_scalar)
-    args.block_begin, args.block_end = blocks if blocks is not None else (0, -1)
+    args.interleaved, args.num_heads, args.rotary_embedding_dim = interleaved, num_heads, rotary_embedding_dim
+    args.force_scalar = int(bool(force_scalar))
+    args.block_begin, args.block_end = block_range
     return args
 
 
@@ -407,7 +462,10 @@ def run(
     launch plan (vector or scalar path, grid). ``force_scalar`` takes the scalar path where the
     vector one could run; ``blocks=(begin, end)`` (CPU twin only) runs only those grid blocks along
     x (tests of huge shapes); ``out`` is written in place when given. Non-contiguous tensors are
-    made contiguous (a contiguous view keeps its address, misaligned or not).
+    made contiguous (a contiguous view keeps its address, so a view
+    that is not 16-byte aligned takes the scalar path). On the CPU twin, a tensor not even aligned to
+    its element size (``torch.frombuffer(buf, offset=2)`` of float32) is copied to aligned memory
+    first, the output included (the kernels, like a GPU, refuse such pointers).
     """
     if x.device.type == "cuda" and blocks is None:
         from rope_export import cuda
@@ -420,17 +478,22 @@ def run(
         if t.device.type != "cpu":
             raise ValueError(f"the CPU twin takes CPU tensors, got one on {t.device}; move it with .cpu() "
                              "(CUDA tensors run on the CUDA kernels, without blocks=)")
-    x, cos_cache, sin_cache = (t.contiguous() for t in (x, cos_cache, sin_cache))
+    x, cos_cache, sin_cache = (t.contiguous() if _element_aligned(t) else t.clone() for t in (x, cos_cache, sin_cache))
     if position_ids is not None:
-        position_ids = position_ids.contiguous()
+        position_ids = position_ids.contiguous() if _element_aligned(position_ids) else position_ids.clone()
+    target = None  # a misaligned ``out`` given by the caller: written through an aligned buffer
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or out.device.type != "cpu":
         raise ValueError(f"out must be a contiguous CPU tensor of shape {list(x.shape)} and dtype {x.dtype}")
+    elif not _element_aligned(out):
+        target, out = out, torch.empty_like(x, memory_format=torch.contiguous_format)
     args = make_args(x, cos_cache, sin_cache, position_ids, out, interleaved=interleaved, num_heads=num_heads,
                      rotary_embedding_dim=rotary_embedding_dim, force_scalar=force_scalar, blocks=blocks)
     plan = _TwinPlan()
     err = ctypes.create_string_buffer(_ERR_LEN)
     if twin().rope_twin_run(ctypes.byref(args), ctypes.byref(plan), err, _ERR_LEN):
         raise RotaryContractError(err.value.decode())
+    if target is not None:
+        out = target.copy_(out)
     return out, to_plan(plan)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from rope_export.modules import AttentionConfig, RoPEAttention
+from rope_export import bounds
+from rope_export.modules import AttentionConfig, AttentionConfigError, RoPEAttention
 from rope_export.rope_types import RopeConfig
 
 if sys.version_info >= (3, 11):
@@ -42,7 +43,7 @@ class Preset:
         self, dtype: torch.dtype = torch.float32, seed: int = 0, cache_len: int | None = None
     ) -> RoPEAttention:
         """The attention block with seeded random weights, in eval mode."""
-        torch.manual_seed(seed)
+        torch.manual_seed(bounds.check_seed(seed))  # --seed 2**80 overflowed inside torch
         block = RoPEAttention(self.attention, self.rope, cache_len=cache_len)
         return block.to(dtype).eval()
 
@@ -85,16 +86,12 @@ class Preset:
         for key in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
             if key not in att:
                 fail(f"attention.{key}", "is missing")
-        for key in ("qkv_bias", "o_bias"):
-            if key in att and not isinstance(att[key], bool):
-                fail(f"attention.{key}", f"must be true or false, got {att[key]!r}")
-        scale = att.get("softmax_scale")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-            fail("attention.softmax_scale", f"must be a number, got {scale!r}")
-        try:
+        try:  # types, ranges and finiteness: AttentionConfig checks them (rope_export.bounds)
             attention = AttentionConfig(**att)
-        except ValueError as exc:
-            raise PresetError(f"{origin}: {exc}") from None
+        except AttentionConfigError as exc:
+            if exc.field is None:
+                raise PresetError(f"{origin}: {exc}") from None
+            fail(f"attention.{exc.field}", exc.problem)
         rope = dict(data["rope"])
         rope.setdefault("head_dim", attention.head_dim)
         try:

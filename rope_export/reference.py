@@ -1,8 +1,9 @@
 """The PyTorch reference of the rotary op contract (rope_export.contract).
 
 Every other implementation is compared with this function. It is written for clarity, not
-speed: resolve the geometry, gather per-token cos/sin (identity rows for positions outside the
-cache), rotate in float32, cast back.
+speed: resolve the geometry, gather per-token cos/sin, rotate in float32, cast back, and select
+X itself for tokens whose position is outside the cache (the contract's pass-through: a select,
+not an identity rotation, so inf and nan come through bit for bit: inf * 1 - x * 0 would not).
 """
 
 from __future__ import annotations
@@ -20,17 +21,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def per_token_caches(
     cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, S, rd/2] float32 cos/sin; out-of-range positions get the identity (cos=1, sin=0)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """[B, S, rd/2] float32 cos/sin and the [B, S] mask of tokens inside the cache (None: all).
+
+    Rows of out-of-range tokens are row 0 (never used: those tokens are passed through)."""
     if position_ids is None:
-        return cos_cache.float(), sin_cache.float()
+        return cos_cache.float(), sin_cache.float(), None
     max_pos = cos_cache.shape[0]
     valid = (position_ids >= 0) & (position_ids < max_pos)
     safe = torch.where(valid, position_ids, torch.zeros_like(position_ids))
-    valid = valid.unsqueeze(-1)
-    cos = torch.where(valid, cos_cache.float()[safe], 1.0)
-    sin = torch.where(valid, sin_cache.float()[safe], 0.0)
-    return cos, sin
+    return cos_cache.float()[safe], sin_cache.float()[safe], valid
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -71,7 +71,7 @@ def rotary_embedding(
         dtype_name(cos_cache.dtype),
         None if position_ids is None else dtype_name(position_ids.dtype),
     )
-    cos, sin = per_token_caches(cos_cache, sin_cache, position_ids)
+    cos, sin, valid = per_token_caches(cos_cache, sin_cache, position_ids)
     # View X as [B, S, H, D] so cos/sin [B, S, 1, rd/2] broadcast over heads.
     if shape.layout == "bhsd":
         xs = x.transpose(1, 2)
@@ -80,6 +80,8 @@ def rotary_embedding(
     rd = shape.rotary_dim
     rotated = rotate(xs[..., :rd].float(), cos.unsqueeze(2), sin.unsqueeze(2), attrs.interleaved)
     out = torch.cat((rotated.to(x.dtype), xs[..., rd:]), dim=-1)
+    if valid is not None:
+        out = torch.where(valid[:, :, None, None], out, xs)  # pass-through: X itself, bit for bit
     if shape.layout == "bhsd":
         return out.transpose(1, 2).contiguous()
     return out.reshape(x.shape)

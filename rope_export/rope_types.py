@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rope_export import bounds
+
 
 class RopeConfigError(ValueError):
     """A RoPE configuration that cannot be used; the message names the field and the fix."""
@@ -64,36 +66,26 @@ class RopeConfig:
     def _fail(self, field: str, problem: str) -> None:
         raise RopeConfigError(f"rope field '{field}': {problem}")
 
-    def _check_types(self) -> None:
-        # A wrong type (say rope_theta = "1e4" or truncate = "false" in a TOML file) must be named
-        # here, not fail later in arithmetic or be silently taken as truthy.
+    def _validate(self) -> None:
+        # Type, range and finiteness of every field first (rope_export.bounds): a wrong type (say
+        # rope_theta = "1e4" or truncate = "false" in a TOML file), inf (factor = inf turns RoPE
+        # off) or a bool for a number is named here, not taken as truthy or failing in arithmetic.
         if not isinstance(self.rope_type, str):
             self._fail("rope_type", f"must be a string, got {self.rope_type!r}")
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-                self._fail(name, f"must be an integer, got {value!r} ({type(value).__name__})")
-        for name in _NUMBER_FIELDS:
-            value = getattr(self, name)
-            if value is not None and not _is_number(value):
-                self._fail(name, f"must be a number, got {value!r} ({type(value).__name__})")
-        for name in _BOOL_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                self._fail(name, f"must be true or false, got {value!r} ({type(value).__name__})")
-
-    def _validate(self) -> None:
-        self._check_types()
-        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
-            self._fail("head_dim", f"must be a positive even integer, got {self.head_dim!r}")
         if self.rope_type not in ROPE_INIT_FUNCTIONS:
             self._fail("rope_type", f"unknown type {self.rope_type!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
-        if not self.rope_theta > 0:
-            self._fail("rope_theta", f"must be > 0, got {self.rope_theta!r}")
-        if not isinstance(self.max_position_embeddings, int) or self.max_position_embeddings < 1:
-            self._fail("max_position_embeddings", f"must be a positive integer, got {self.max_position_embeddings!r}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            self._fail("partial_rotary_factor", f"must be in (0, 1], got {self.partial_rotary_factor!r}")
+        for name, (kind, low, high, low_open) in _FIELD_BOUNDS.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
+            if kind is bool:
+                bounds.check_bool(name, value, fail=self._fail)
+            elif kind is int:
+                bounds.check_int(name, value, low, high, fail=self._fail)
+            else:
+                bounds.check_number(name, value, low, high, low_open=low_open, fail=self._fail)
+        if self.head_dim % 2:
+            self._fail("head_dim", f"must be a positive even integer, got {self.head_dim!r}")
         rd = self.rotary_embedding_dim
         source = "rotary_dim" if self.rotary_dim is not None else "partial_rotary_factor"
         if rd <= 0 or rd > self.head_dim:
@@ -104,15 +96,42 @@ class RopeConfig:
         for field in scheme.required:
             if getattr(self, field) is None:
                 self._fail(field, f"is required by rope_type {self.rope_type!r}")
-        if self.factor is not None and not self.factor > 0:
-            self._fail("factor", f"must be > 0, got {self.factor!r}")
         for name in ("short_factor", "long_factor"):
             value = getattr(self, name)
-            if value is not None and len(value) != rd // 2:
-                self._fail(name, f"needs rotary_dim/2 = {rd // 2} values, got {len(value)}")
-        if self.low_freq_factor is not None and self.high_freq_factor is not None:
-            if not self.high_freq_factor > self.low_freq_factor:
-                self._fail("high_freq_factor", "must be larger than low_freq_factor")
+            if value is not None:
+                if len(value) != rd // 2:
+                    self._fail(name, f"needs rotary_dim/2 = {rd // 2} values, got {len(value)}")
+                for k, item in enumerate(value):
+                    bounds.check_number(f"{name}[{k}]", item, 0.0, low_open=True, fail=self._fail)
+        if scheme.check is not None:
+            scheme.check(self)
+        self._check_frequencies()
+
+    def _check_frequencies(self) -> None:
+        """The scheme's math must give finite, positive frequencies and magnitude factor, at the
+        initial length and past the trained one (where dynamic/longrope switch): the catch-all for
+        field combinations no single-field rule sees (a division by zero, a log of a negative)."""
+        lengths = [None]
+        if self.seq_len_dependent:
+            lengths.append(2 * max(self.max_position_embeddings, self.original_max_positions))
+        for seq_len in lengths:
+            try:
+                inv_freq, scaling = inv_freq_and_scaling(self, seq_len)
+            except (ArithmeticError, ValueError) as exc:
+                raise RopeConfigError(
+                    f"rope_type {self.rope_type!r} cannot compute its frequencies from these fields "
+                    f"({type(exc).__name__}: {exc}); check {', '.join(self._scheme_fields())}"
+                ) from None
+            usable = bool(torch.isfinite(inv_freq).all()) and bool((inv_freq > 0).all())
+            if not usable or not (math.isfinite(scaling) and scaling > 0):
+                raise RopeConfigError(
+                    f"rope_type {self.rope_type!r} gives frequencies or a magnitude factor ({scaling!r}) that are not "
+                    f"finite and positive from these fields; check {', '.join(self._scheme_fields())}"
+                )
+
+    def _scheme_fields(self) -> list[str]:
+        fields = ["rope_theta", *ROPE_INIT_FUNCTIONS[self.rope_type].required]
+        return fields + [f for f in _SCHEME_EXTRAS.get(self.rope_type, ()) if getattr(self, f) is not None]
 
     # -- derived values ---------------------------------------------------------------------
     @property
@@ -152,20 +171,34 @@ class RopeConfig:
         return out
 
 
-_INT_FIELDS = ("head_dim", "max_position_embeddings", "rotary_dim", "original_max_position_embeddings")
-_NUMBER_FIELDS = (
-    "rope_theta",
-    "partial_rotary_factor",
-    "factor",
-    "attention_factor",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-    "low_freq_factor",
-    "high_freq_factor",
-)
-_BOOL_FIELDS = ("interleaved", "truncate")
+# Every scalar field: (type, low, high, low bound open) for rope_export.bounds. None-able fields
+# are skipped while None. Ints are bounded by what the kernels and caches can address.
+_FIELD_BOUNDS: dict[str, tuple[type, float | None, float | None, bool]] = {
+    "head_dim": (int, 1, bounds.MAX_HEAD_DIM, False),
+    "max_position_embeddings": (int, 1, bounds.INT32_MAX, False),
+    "rotary_dim": (int, 1, bounds.MAX_HEAD_DIM, False),
+    "original_max_position_embeddings": (int, 1, bounds.INT32_MAX, False),
+    "rope_theta": (float, 0.0, None, True),
+    "partial_rotary_factor": (float, 0.0, 1.0, True),
+    "factor": (float, 0.0, None, True),
+    "attention_factor": (float, 0.0, None, True),
+    "beta_fast": (float, 0.0, None, True),
+    "beta_slow": (float, 0.0, None, True),
+    "mscale": (float, None, None, False),
+    "mscale_all_dim": (float, None, None, False),
+    "low_freq_factor": (float, 0.0, None, True),
+    "high_freq_factor": (float, 0.0, None, True),
+    "interleaved": (bool, None, None, False),
+    "truncate": (bool, None, None, False),
+}
+_OPTIONAL_FIELDS = {"rotary_dim", "original_max_position_embeddings", "factor", "attention_factor", "beta_fast",
+                    "beta_slow", "mscale", "mscale_all_dim", "low_freq_factor", "high_freq_factor"}
+# Optional fields a scheme reads besides its required ones (named when its math fails).
+_SCHEME_EXTRAS = {
+    "yarn": ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim"),
+    "longrope": ("factor", "attention_factor"),
+}
 
 
 def _is_number(value) -> bool:
@@ -180,7 +213,14 @@ def _number_list(value) -> tuple[float, ...] | None:
         items = list(value)
     except TypeError:
         return None
-    return tuple(float(v) for v in items) if all(_is_number(v) for v in items) else None
+    return tuple(_as_float(v) for v in items) if all(_is_number(v) for v in items) else None
+
+
+def _as_float(value) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range; the bounds check then names it as not finite
+        return math.inf if value > 0 else -math.inf
 
 
 # -- the registry ----------------------------------------------------------------------------
@@ -193,6 +233,7 @@ class RopeScheme:
     init: InitFunction
     required: tuple[str, ...] = ()
     seq_len_dependent: bool = False
+    check: Callable[[RopeConfig], None] | None = None  # rules beyond single fields (raise RopeConfigError)
 
 
 def _exponents(cfg: RopeConfig, dtype: torch.dtype) -> torch.Tensor:
@@ -287,18 +328,45 @@ def _llama3(cfg, seq_len=None):
     return torch.where(medium, smoothed, scaled), 1.0
 
 
+def _check_dynamic(cfg: RopeConfig) -> None:
+    if cfg.rotary_embedding_dim < 4:  # the base grows as (...) ** (dim / (dim - 2))
+        cfg._fail("rotary_dim", f"rope_type 'dynamic' needs a rotated width of at least 4, got "
+                  f"{cfg.rotary_embedding_dim}")
+
+
+def _check_yarn(cfg: RopeConfig) -> None:
+    if not cfg.rope_theta > 1:  # the correction range divides by log(rope_theta)
+        cfg._fail("rope_theta", f"rope_type 'yarn' needs rope_theta > 1, got {cfg.rope_theta!r}")
+
+
+def _check_longrope(cfg: RopeConfig) -> None:
+    factor = cfg.factor or cfg.max_position_embeddings / cfg.original_max_position_embeddings
+    if factor > 1 and cfg.attention_factor is None and cfg.original_max_position_embeddings < 2:
+        # the magnitude factor is sqrt(1 + log(factor) / log(original))
+        cfg._fail("original_max_position_embeddings", "rope_type 'longrope' needs it >= 2 to derive the magnitude "
+                  f"factor (or give attention_factor), got {cfg.original_max_position_embeddings}")
+
+
+def _check_llama3(cfg: RopeConfig) -> None:
+    if not cfg.high_freq_factor > cfg.low_freq_factor:
+        cfg._fail("high_freq_factor", "must be larger than low_freq_factor")
+
+
 ROPE_INIT_FUNCTIONS: dict[str, RopeScheme] = {
     "default": RopeScheme(_default),
     "linear": RopeScheme(_linear, required=("factor",)),
-    "dynamic": RopeScheme(_dynamic_ntk, required=("factor",), seq_len_dependent=True),
-    "yarn": RopeScheme(_yarn, required=("factor",)),
+    "dynamic": RopeScheme(_dynamic_ntk, required=("factor",), seq_len_dependent=True, check=_check_dynamic),
+    "yarn": RopeScheme(_yarn, required=("factor",), check=_check_yarn),
     "longrope": RopeScheme(
         _longrope,
         required=("short_factor", "long_factor", "original_max_position_embeddings"),
         seq_len_dependent=True,
+        check=_check_longrope,
     ),
     "llama3": RopeScheme(
-        _llama3, required=("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        _llama3,
+        required=("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        check=_check_llama3,
     ),
 }
 
@@ -308,15 +376,30 @@ def inv_freq_and_scaling(cfg: RopeConfig, seq_len=None) -> tuple[torch.Tensor, f
     return ROPE_INIT_FUNCTIONS[cfg.rope_type].init(cfg, seq_len)
 
 
+def cache_rows(cfg: RopeConfig, cache_len=None) -> int:
+    """The cache length to build: ``cache_len`` checked, or the config's max_position_embeddings."""
+    if cache_len is None:
+        return cfg.max_position_embeddings
+    def fail(_field, problem):
+        raise RopeConfigError(f"cache length (rows of the cos/sin caches, --cache-len) {problem}")
+
+    return bounds.check_int("cache_len", cache_len, 1, bounds.INT32_MAX, fail=fail)
+
+
+def cache_build_bytes(cfg: RopeConfig, cache_len: int) -> int:
+    """Peak bytes of build_caches: float64 angles, cos and sin, then the two float32 caches."""
+    return cache_len * (cfg.rotary_embedding_dim // 2) * (3 * 8 + 2 * 4)
+
+
 def build_caches(cfg: RopeConfig, cache_len: int | None = None, seq_len=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin caches [cache_len, rd/2] in float32, magnitude factor folded in, built in float64.
 
     ``cache_len`` defaults to max_position_embeddings. For seq-len-dependent schemes these are the
     caches for ``seq_len`` (default: their short/initial setting).
     """
-    cache_len = cfg.max_position_embeddings if cache_len is None else int(cache_len)
-    if cache_len < 1:
-        raise RopeConfigError(f"cache length must be >= 1, got {cache_len}")
+    cache_len = cache_rows(cfg, cache_len)
+    bounds.check_allocation("the cos/sin caches", {"caches": cache_build_bytes(cfg, cache_len)},
+                            "use a smaller cache length (--cache-len)")
     inv_freq, scaling = inv_freq_and_scaling(cfg, seq_len)
     angles = torch.outer(torch.arange(cache_len, dtype=torch.float64), inv_freq.to(torch.float64))
     return (torch.cos(angles) * scaling).float(), (torch.sin(angles) * scaling).float()

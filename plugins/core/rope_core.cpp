@@ -275,6 +275,29 @@ std::string printable(char const* name, size_t len)
     return len > 64 ? s + "..." : s;
 }
 
+// The range rule of field k (kFieldNames order), shared by parsing and serialization; the message
+// says what the value must be (the caller prefixes the field).
+bool check_field_value(int32_t k, int64_t v, std::string& err)
+{
+    if (k == 0 && v != 0 && v != 1)
+    {
+        return fail(err, "must be 0 (rotate-half) or 1 (interleaved), got " + std::to_string(v));
+    }
+    if (k == 1 && (v < 0 || v > std::numeric_limits<int32_t>::max()))
+    {
+        return fail(err, "must be in [0, 2147483647] (0: take H from 4-D X), got " + std::to_string(v));
+    }
+    if (k == 2 && (v < 0 || v > std::numeric_limits<int32_t>::max()))
+    {
+        return fail(err, "must be in [0, 2147483647] (0: rotate the whole head), got " + std::to_string(v));
+    }
+    if (k == 2 && v % 2)
+    {
+        return fail(err, "must be even (channels rotate in pairs), got " + std::to_string(v));
+    }
+    return true;
+}
+
 } // namespace
 
 bool parse_fields(Field const* fields, int32_t count, Phase phase, Attrs& out, std::string& err)
@@ -343,21 +366,10 @@ bool parse_fields(Field const* fields, int32_t count, Phase phase, Attrs& out, s
         {
             std::memcpy(&v, f.data, sizeof v);
         }
-        if (k == 0 && v != 0 && v != 1)
+        if (!check_field_value(k, v, err))
         {
-            return fail(err, field + "must be 0 (rotate-half) or 1 (interleaved), got " + std::to_string(v));
-        }
-        if (k == 1 && (v < 0 || v > std::numeric_limits<int32_t>::max()))
-        {
-            return fail(err, field + "must be in [0, 2147483647] (0: take H from 4-D X), got " + std::to_string(v));
-        }
-        if (k == 2 && (v < 0 || v > std::numeric_limits<int32_t>::max()))
-        {
-            return fail(err, field + "must be in [0, 2147483647] (0: rotate the whole head), got " + std::to_string(v));
-        }
-        if (k == 2 && v % 2)
-        {
-            return fail(err, field + "must be even (channels rotate in pairs), got " + std::to_string(v));
+            err = field + err;
+            return false;
         }
         values[k] = v;
     }
@@ -378,15 +390,35 @@ bool parse_fields(Field const* fields, int32_t count, Phase phase, Attrs& out, s
     return true;
 }
 
-void serialize_fields(Attrs const& attrs, int32_t (&values)[kNumFields], Field (&fields)[kNumFields])
+bool serialize_fields(
+    Attrs const& attrs, int32_t (&values)[kNumFields], Field (&fields)[kNumFields], std::string& err)
 {
-    values[0] = static_cast<int32_t>(attrs.interleaved);
-    values[1] = static_cast<int32_t>(attrs.num_heads);
-    values[2] = static_cast<int32_t>(attrs.rotary_embedding_dim);
+    int64_t const in[kNumFields] = {attrs.interleaved, attrs.num_heads, attrs.rotary_embedding_dim};
     for (int32_t k = 0; k < kNumFields; ++k)
     {
+        values[k] = 0;
         fields[k] = Field{kFieldNames[k], &values[k], FieldType::kINT32, 1};
     }
+    for (int32_t k = 0; k < kNumFields; ++k)
+    {
+        // Values parse_fields would refuse are refused here too: an INT32 field never narrows.
+        if (!check_field_value(k, in[k], err))
+        {
+            err = "RotaryEmbedding plugin: cannot serialize field '" + std::string(kFieldNames[k]) + "': " + err;
+            return false;
+        }
+    }
+    for (int32_t k = 0; k < kNumFields; ++k)
+    {
+        values[k] = static_cast<int32_t>(in[k]);
+    }
+    return true;
+}
+
+bool serialize_fields(Attrs const& attrs, int32_t (&values)[kNumFields], Field (&fields)[kNumFields])
+{
+    std::string err;
+    return serialize_fields(attrs, values, fields, err);
 }
 
 std::string metadata_string(Attrs const& attrs)

@@ -93,8 +93,12 @@ extern char const* const kFieldNames[kNumFields]; // interleaved, num_heads, rot
 // the ONNX attributes of the trt-plugin lowering carry. Never reads past a field's declared length.
 bool parse_fields(Field const* fields, int32_t count, Phase phase, Attrs& out, std::string& err);
 
-// The fields getFieldsToSerialize returns: kINT32 x 1 each, data pointing into `values`.
-void serialize_fields(Attrs const& attrs, int32_t (&values)[kNumFields], Field (&fields)[kNumFields]);
+// The fields getFieldsToSerialize returns: kINT32 x 1 each, data pointing into `values`. Values that
+// parse_fields would refuse (so also any that do not fit INT32) are refused, never narrowed: false,
+// err says which, and every value is 0. Attrs that came from parse_fields always serialize.
+bool serialize_fields(
+    Attrs const& attrs, int32_t (&values)[kNumFields], Field (&fields)[kNumFields], std::string& err);
+bool serialize_fields(Attrs const& attrs, int32_t (&values)[kNumFields], Field (&fields)[kNumFields]);
 
 // "interleaved=0 num_heads=32 rotary_embedding_dim=64": getMetadataString and the timing-cache id.
 std::string metadata_string(Attrs const& attrs);

@@ -73,6 +73,10 @@ cudaError_t launch_cuda(Problem const& p, bool force_scalar, cudaStream_t stream
     {
         return cudaSuccess;
     }
+    if (misaligned_tensor(p) != nullptr)
+    {
+        return cudaErrorMisalignedAddress; // every access assumes element alignment
+    }
     Plan none = l;
     none.grid_x = 0;
     return launch(p, l, p, none, stream);
@@ -82,6 +86,10 @@ cudaError_t launch_cuda_pair(Problem const& a, Problem const& b, bool force_scal
 {
     Plan const la = make_plan(a, force_scalar);
     Plan const lb = make_plan(b, force_scalar);
+    if ((!empty(a, la) && misaligned_tensor(a) != nullptr) || (!empty(b, lb) && misaligned_tensor(b) != nullptr))
+    {
+        return cudaErrorMisalignedAddress; // every access assumes element alignment
+    }
     bool const one = !empty(a, la) && !empty(b, lb) && same_kernel(a, la, b, lb);
     if (fused != nullptr)
     {

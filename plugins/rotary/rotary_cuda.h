@@ -10,8 +10,9 @@
 namespace rope
 {
 
-// Launches the kernel for p on stream. Returns cudaSuccess, or the launch error (nothing is
-// launched for an empty problem). force_scalar: skip the vector path (for tests and benchmarks).
+// Launches the kernel for p on stream. Returns cudaSuccess, or the launch error. Nothing is
+// launched for an empty problem, nor (cudaErrorMisalignedAddress) when a pointer is not aligned
+// to its element (see misaligned_tensor). force_scalar: skip the vector path (tests, benchmarks).
 cudaError_t launch_cuda(Problem const& p, bool force_scalar, cudaStream_t stream);
 
 // Rotates two tensors that share a kernel instantiation (dtypes, pair layout, vector or scalar path,

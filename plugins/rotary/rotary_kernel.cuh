@@ -69,7 +69,42 @@ inline bool aligned(void const* p, int64_t bytes)
     return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
 }
 
-// The vector path needs every chunk boundary on a 16-byte boundary of X and of the caches.
+// Every access, scalar or vector, assumes each pointer aligned to its element (a GPU faults on a
+// misaligned 2/4/8-byte access, the twin aborts). Returns the first tensor that is not, or null,
+// and its element size in *element_bytes; drivers refuse such a problem (twin: an error,
+// launch_cuda: cudaErrorMisalignedAddress). A null pointer counts as aligned (an empty problem
+// never dereferences it; the twin checks nulls before).
+inline char const* misaligned_tensor(Problem const& p, int32_t* element_bytes = nullptr)
+{
+    struct Entry
+    {
+        char const* name;
+        void const* ptr;
+        int32_t bytes;
+    };
+    Entry const entries[] = {{"X", p.x, type_size(p.x_type)}, {"cos_cache", p.cos_cache, type_size(p.cache_type)},
+        {"sin_cache", p.sin_cache, type_size(p.cache_type)},
+        {"position_ids", p.position_ids, static_cast<int32_t>(sizeof(int64_t))},
+        {"the output", p.out, type_size(p.x_type)}};
+    for (Entry const& e : entries)
+    {
+        if (!aligned(e.ptr, e.bytes))
+        {
+            if (element_bytes != nullptr)
+            {
+                *element_bytes = e.bytes;
+            }
+            return e.name;
+        }
+    }
+    return nullptr;
+}
+
+// The vector path moves whole chunks in single accesses: X and the output in 16-byte chunks, the
+// caches in chunks of `pairs` elements (16 bytes, or 8 for an interleaved fp32 cache row chunk).
+// It needs every chunk boundary on such a boundary: the sizes must be whole chunks and every
+// pointer involved aligned to the access width actually used; otherwise the plan is scalar.
+// position_ids are read one int64 at a time on both paths (misaligned_tensor checks them).
 inline bool can_vectorize(Problem const& p)
 {
     int64_t const vec = vec_elems(p.x_type);
@@ -79,12 +114,13 @@ inline bool can_vectorize(Problem const& p)
     {
         return false;
     }
-    if (!aligned(p.x, 16) || !aligned(p.out, 16))
+    int64_t const x_bytes = vec * type_size(p.x_type); // always 16
+    if (!aligned(p.x, x_bytes) || !aligned(p.out, x_bytes))
     {
         return false;
     }
     int64_t const cache_bytes = pairs * type_size(p.cache_type);
-    int64_t const cache_align = cache_bytes >= 16 ? 16 : cache_bytes;
+    int64_t const cache_align = cache_bytes >= 16 ? 16 : cache_bytes; // Pack<C, pairs>'s alignment
     return aligned(p.cos_cache, cache_align) && aligned(p.sin_cache, cache_align);
 }
 

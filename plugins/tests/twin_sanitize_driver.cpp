@@ -2,9 +2,12 @@
 // -fsanitize=address,undefined; tests/test_plugin_twin.py runs it). Every buffer is allocated at
 // exactly its size (misaligned ones end exactly at the end of their allocation too), so a read
 // or write one element too far is reported. The outputs are checked against a plain loop that
-// follows the op contract, independent of the kernels' grid and vector code.
+// follows the op contract, independent of the kernels' grid and vector code. The hostile cases
+// (null and misaligned pointers, field values out of range) are in twin_sanitize_hostile.h.
 #include "../rotary/rotary_types.cuh"
 #include "../twin/rope_c_api.h"
+#include "twin_sanitize_common.h"
+#include "twin_sanitize_hostile.h"
 
 #include <cmath>
 #include <cstdint>
@@ -18,61 +21,6 @@
 
 namespace
 {
-
-int g_failures = 0;
-int g_cases = 0;
-int g_vectorized = 0;
-
-void fail(std::string const& what)
-{
-    if (g_failures < 20)
-    {
-        std::fprintf(stderr, "FAIL: %s\n", what.c_str());
-    }
-    ++g_failures;
-}
-
-// An exactly-sized heap buffer whose data starts `offset` bytes into the allocation.
-struct Buffer
-{
-    std::unique_ptr<unsigned char[]> mem;
-    unsigned char* data = nullptr;
-    size_t bytes = 0;
-
-    Buffer(size_t n, size_t offset)
-        : mem(new unsigned char[n + offset])
-        , data(mem.get() + offset)
-        , bytes(n)
-    {
-    }
-};
-
-uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-float rnd()
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return static_cast<float>(static_cast<int64_t>(g_rng >> 40) - (1 << 23)) / static_cast<float>(1 << 22);
-}
-
-template <class T>
-char const* name_of();
-template <>
-char const* name_of<float>()
-{
-    return "float32";
-}
-template <>
-char const* name_of<rope::f16>()
-{
-    return "float16";
-}
-template <>
-char const* name_of<rope::bf16>()
-{
-    return "bfloat16";
-}
 
 template <class T>
 float tol_of();
@@ -96,7 +44,9 @@ struct Case
 {
     int64_t b, s, h, d, rd_attr; // rd_attr: the attribute (0 = whole head)
     bool bhsd, interleaved, with_pos, force_scalar;
-    int misalign; // 0: all aligned; 1: X/out shifted one element; 2: caches shifted one element
+    // 0: all aligned; shifted one element (element-aligned, not 16-byte aligned): 1 X and out,
+    // 2 both caches, 3 X only, 4 the output only, 5 cos only, 6 sin only, 7 position_ids only.
+    int misalign;
     int64_t max_pos;
 };
 
@@ -108,13 +58,21 @@ void run_case(Case const& c)
     int64_t const half = rd / 2;
     int64_t const n = c.b * c.s * c.h * c.d;
     int64_t const cache_rows = c.with_pos ? c.max_pos : c.b * c.s;
-    size_t const xo = c.misalign == 1 ? sizeof(T) : 0;
-    size_t const co = c.misalign == 2 ? sizeof(C) : 0;
-    Buffer x(static_cast<size_t>(n) * sizeof(T), xo);
-    Buffer out(static_cast<size_t>(n) * sizeof(T), xo);
-    Buffer cosb(static_cast<size_t>(cache_rows * half) * sizeof(C), co);
-    Buffer sinb(static_cast<size_t>(cache_rows * half) * sizeof(C), co);
-    Buffer pos(static_cast<size_t>(c.b * c.s) * sizeof(int64_t), 0);
+    auto shift = [&](std::initializer_list<int> when, size_t bytes) {
+        for (int m : when)
+        {
+            if (c.misalign == m)
+            {
+                return bytes;
+            }
+        }
+        return size_t{0};
+    };
+    Buffer x(static_cast<size_t>(n) * sizeof(T), shift({1, 3}, sizeof(T)));
+    Buffer out(static_cast<size_t>(n) * sizeof(T), shift({1, 4}, sizeof(T)));
+    Buffer cosb(static_cast<size_t>(cache_rows * half) * sizeof(C), shift({2, 5}, sizeof(C)));
+    Buffer sinb(static_cast<size_t>(cache_rows * half) * sizeof(C), shift({2, 6}, sizeof(C)));
+    Buffer pos(static_cast<size_t>(c.b * c.s) * sizeof(int64_t), shift({7}, sizeof(int64_t)));
     int64_t* ps = reinterpret_cast<int64_t*>(pos.data);
     // memcpy: the misaligned buffers may not be accessed through typed pointers.
     auto put_t = [](unsigned char* base, int64_t i, T v) { std::memcpy(base + i * sizeof(T), &v, sizeof v); };
@@ -202,7 +160,8 @@ void run_case(Case const& c)
         fail(label + ": " + err);
         return;
     }
-    bool const may_vectorize = !c.force_scalar && c.misalign == 0 && c.d % (16 / sizeof(T)) == 0
+    // position_ids are read one int64 at a time on both paths: their address never decides the path.
+    bool const may_vectorize = !c.force_scalar && (c.misalign == 0 || c.misalign == 7) && c.d % (16 / sizeof(T)) == 0
         && half % (c.interleaved ? 8 / sizeof(T) : 16 / sizeof(T)) == 0;
     if (c.force_scalar && plan.vectorized)
     {
@@ -213,6 +172,7 @@ void run_case(Case const& c)
         fail(label + (plan.vectorized ? ": took the vector path on unaligned data" : ": missed the vector path"));
     }
     g_vectorized += plan.vectorized ? 1 : 0;
+    g_scalar_misaligned += (c.misalign != 0 && c.misalign != 7 && !c.force_scalar) ? 1 : 0;
     // The contract, element by element.
     for (int64_t bi = 0; bi < c.b; ++bi)
     {
@@ -276,9 +236,9 @@ void run_all()
             c.interleaved = (variant >> 1) & 1;
             c.with_pos = (variant >> 2) & 1;
             c.max_pos = 5;
-            for (int misalign = 0; misalign < 3; ++misalign)
+            for (int misalign = 0; misalign < 8; ++misalign)
             {
-                for (int scalar = 0; scalar < 2; ++scalar)
+                for (int scalar = 0; scalar < (misalign < 3 ? 2 : 1); ++scalar)
                 {
                     c.misalign = misalign;
                     c.force_scalar = scalar;
@@ -292,18 +252,6 @@ void run_all()
     run_case<T, C>(Case{2, 0, 2, 8, 0, false, true, false, false, 0, 4});
 }
 
-void check_rejects(char const* what, int32_t rc, char const* err)
-{
-    ++g_cases;
-    if (rc == 0)
-    {
-        fail(std::string("accepted ") + what);
-    }
-    else if (err[0] == '\0')
-    {
-        fail(std::string("rejected ") + what + " without a message");
-    }
-}
 
 void field_cases()
 {
@@ -374,9 +322,9 @@ void field_cases()
     // Round trip through serialization.
     RopeField sf[3];
     int32_t sv[3];
-    rope_serialize_fields(1, 32, 64, sf, sv);
     ++g_cases;
-    if (rope_parse_fields(sf, 3, 1, out, err, sizeof err) != 0 || out[0] != 1 || out[1] != 32 || out[2] != 64)
+    if (rope_serialize_fields(1, 32, 64, sf, sv, err, sizeof err) != 0
+        || rope_parse_fields(sf, 3, 1, out, err, sizeof err) != 0 || out[0] != 1 || out[1] != 32 || out[2] != 64)
     {
         fail("serialized fields do not parse back");
     }
@@ -419,13 +367,21 @@ int main()
     run_all<rope::f16, float>();
     run_all<rope::bf16, rope::bf16>();
     run_all<rope::bf16, float>();
+    element_misaligned_cases<float, float>();
+    element_misaligned_cases<rope::f16, rope::f16>();
+    element_misaligned_cases<rope::bf16, float>();
     field_cases();
+    serializer_cases();
     shape_cases();
+    null_pointer_cases();
     if (g_failures)
     {
         std::fprintf(stderr, "twin sanitizer driver: %d of %d cases failed\n", g_failures, g_cases);
         return 1;
     }
     std::printf("twin sanitizer driver: %d cases ok (%d on the vector path)\n", g_cases, g_vectorized);
+    std::printf("null pointers refused: %d\nelement-misaligned pointers refused: %d\n"
+                "misaligned by one element, run on the scalar path: %d\n",
+        g_refused_null, g_refused_misaligned, g_scalar_misaligned);
     return 0;
 }

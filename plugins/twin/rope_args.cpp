@@ -2,9 +2,6 @@
 
 namespace rope
 {
-namespace
-{
-
 Dims to_dims(int64_t const* d, int32_t rank)
 {
     Dims out;
@@ -20,6 +17,9 @@ bool bad_rank(int32_t rank)
 {
     return rank < 0 || rank > kMaxRank;
 }
+
+namespace
+{
 
 bool fail(std::string& err, std::string msg)
 {
@@ -74,6 +74,12 @@ bool problem_from_args(RopeTwinArgs const& a, Problem& out, std::string& err)
     }
     out = make_problem(
         g, a.interleaved != 0, x_type, cache_type, a.x, a.cos_cache, a.sin_cache, a.position_ids, a.out);
+    int32_t element_bytes = 0;
+    if (char const* bad = misaligned_tensor(out, &element_bytes); bad != nullptr && elems > 0)
+    {
+        return fail(err, std::string(bad) + "'s data pointer is not aligned to its " + std::to_string(element_bytes)
+                + "-byte elements; the kernels (and a GPU) need element-aligned tensors: pass an aligned copy");
+    }
     return true;
 }
 

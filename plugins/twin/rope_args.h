@@ -1,6 +1,6 @@
 // RopeTwinArgs (the C ABI's description of one call) -> a checked rope::Problem, with the contract's
-// checks in rope_export.reference's order. The CUDA library (cuda/rope_cuda_api.cpp) uses it; the
-// twin's rope_twin_run performs the same checks.
+// checks in rope_export.reference's order. Both the twin's rope_twin_run and the CUDA library
+// (cuda/rope_cuda_api.cpp) start from it.
 #pragma once
 
 #include "../rotary/rotary_problem.h"
@@ -11,7 +11,12 @@
 namespace rope
 {
 
-// False with the contract's message when the arguments break it (shapes, dtypes, null pointers).
+// A C ABI shape (int64 array + rank) as the core's Dims; ranks past kMaxRank are bad_rank.
+Dims to_dims(int64_t const* d, int32_t rank);
+bool bad_rank(int32_t rank);
+
+// False with the contract's message when the arguments break it (shapes, dtypes, null or
+// element-misaligned pointers).
 bool problem_from_args(RopeTwinArgs const& a, Problem& out, std::string& err);
 
 // The plan as the C ABI reports it.

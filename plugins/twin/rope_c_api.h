@@ -2,7 +2,11 @@
  * (rope_export/plugin.py mirrors these structs; keep both in step).
  *
  * Every function returns 0 on success. On failure it returns non-zero and writes a one-line,
- * NUL-terminated message into err (truncated to err_len bytes). Dtypes are torch/numpy names. */
+ * NUL-terminated message into err (truncated to err_len bytes; err may be NULL). Dtypes are
+ * torch/numpy names. Every pointer argument is checked: a NULL where data is needed is an error
+ * (or "not supported" for rope_supports_combination), never a dereference. Tensor pointers of
+ * rope_twin_run must be aligned to their element size (a GPU faults otherwise); the vector path is
+ * taken only where every pointer it touches is aligned to its access width. */
 #ifndef ROPE_EXPORT_C_API_H
 #define ROPE_EXPORT_C_API_H
 
@@ -16,7 +20,7 @@ extern "C" {
 
 enum
 {
-    ROPE_C_API_VERSION = 1
+    ROPE_C_API_VERSION = 2 /* 2: rope_serialize_fields reports errors */
 };
 
 typedef struct RopeGeometry
@@ -89,9 +93,10 @@ ROPE_API int32_t rope_check_dtypes(
 ROPE_API int32_t rope_parse_fields(
     const RopeField* fields, int32_t count, int32_t phase, int64_t out[3], char* err, int64_t err_len);
 
-/* The fields the plugin serializes; their data points into values. */
-ROPE_API int32_t rope_serialize_fields(
-    int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim, RopeField fields[3], int32_t values[3]);
+/* The fields the plugin serializes; their data points into values. Refuses (never narrows) values
+   that rope_parse_fields would refuse. */
+ROPE_API int32_t rope_serialize_fields(int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim,
+    RopeField fields[3], int32_t values[3], char* err, int64_t err_len);
 
 ROPE_API int32_t rope_metadata_string(
     int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim, char* out, int64_t out_len);

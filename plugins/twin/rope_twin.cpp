@@ -4,6 +4,7 @@
 
 #include "../core/rope_core.h"
 #include "../rotary/rotary_problem.h"
+#include "rope_args.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -25,20 +26,10 @@ int32_t report(std::string const& msg, char* err, int64_t err_len)
     return 1;
 }
 
-rope::Dims to_dims(int64_t const* d, int32_t rank)
+// A shape array is needed as soon as its rank is positive.
+bool missing_dims(int64_t const* d, int32_t rank)
 {
-    rope::Dims out;
-    out.rank = rank;
-    for (int32_t i = 0; i < rank && i < rope::kMaxRank; ++i)
-    {
-        out.d[i] = d[i];
-    }
-    return out;
-}
-
-bool bad_rank(int32_t rank)
-{
-    return rank < 0 || rank > rope::kMaxRank;
+    return rank > 0 && d == nullptr;
 }
 
 int32_t copy_out(std::string const& s, char* out, int64_t out_len)
@@ -99,14 +90,19 @@ int32_t rope_resolve_shape(int64_t const* x, int32_t x_rank, int64_t const* cos,
     int32_t sin_rank, int64_t const* position_ids, int32_t position_ids_rank, int64_t interleaved, int64_t num_heads,
     int64_t rotary_embedding_dim, RopeGeometry* out, char* err, int64_t err_len)
 {
-    if (bad_rank(x_rank) || bad_rank(cos_rank) || bad_rank(sin_rank) || position_ids_rank > rope::kMaxRank)
+    if (rope::bad_rank(x_rank) || rope::bad_rank(cos_rank) || rope::bad_rank(sin_rank) || position_ids_rank > rope::kMaxRank)
     {
         return report("tensor ranks must be in [0, 8]", err, err_len);
     }
-    rope::Dims const xd = to_dims(x, x_rank);
-    rope::Dims const cd = to_dims(cos, cos_rank);
-    rope::Dims const sd = to_dims(sin, sin_rank);
-    rope::Dims const pd = position_ids_rank >= 0 ? to_dims(position_ids, position_ids_rank) : rope::Dims{};
+    if (missing_dims(x, x_rank) || missing_dims(cos, cos_rank) || missing_dims(sin, sin_rank)
+        || missing_dims(position_ids, position_ids_rank))
+    {
+        return report("a shape pointer is null while its rank is positive", err, err_len);
+    }
+    rope::Dims const xd = rope::to_dims(x, x_rank);
+    rope::Dims const cd = rope::to_dims(cos, cos_rank);
+    rope::Dims const sd = rope::to_dims(sin, sin_rank);
+    rope::Dims const pd = position_ids_rank >= 0 ? rope::to_dims(position_ids, position_ids_rank) : rope::Dims{};
     rope::Attrs const attrs{interleaved, num_heads, rotary_embedding_dim};
     rope::Geometry g;
     std::string msg;
@@ -153,6 +149,10 @@ int32_t rope_parse_fields(
     {
         return report("phase must be 0 (build) or 1 (runtime)", err, err_len);
     }
+    if (out == nullptr)
+    {
+        return report("no output array for the 3 attributes", err, err_len);
+    }
     // RopeField and rope::Field have the same members; copy rather than pun.
     std::vector<rope::Field> fs;
     if (fields != nullptr && count > 0)
@@ -176,19 +176,24 @@ int32_t rope_parse_fields(
     return 0;
 }
 
-int32_t rope_serialize_fields(
-    int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim, RopeField fields[3], int32_t values[3])
+int32_t rope_serialize_fields(int64_t interleaved, int64_t num_heads, int64_t rotary_embedding_dim,
+    RopeField fields[3], int32_t values[3], char* err, int64_t err_len)
 {
+    if (fields == nullptr || values == nullptr)
+    {
+        return report("no output arrays for the fields and their values", err, err_len);
+    }
     rope::Attrs const attrs{interleaved, num_heads, rotary_embedding_dim};
     int32_t vals[rope::kNumFields];
     rope::Field fs[rope::kNumFields];
-    rope::serialize_fields(attrs, vals, fs);
+    std::string msg;
+    bool const ok = rope::serialize_fields(attrs, vals, fs, msg); // all zero when refused
     for (int32_t k = 0; k < rope::kNumFields; ++k)
     {
         values[k] = vals[k];
         fields[k] = RopeField{fs[k].name, &values[k], static_cast<int32_t>(fs[k].type), fs[k].length};
     }
-    return 0;
+    return ok ? 0 : report(msg, err, err_len);
 }
 
 int32_t rope_metadata_string(
@@ -236,54 +241,17 @@ int32_t rope_twin_run(RopeTwinArgs const* a, RopeTwinPlan* plan_out, char* err, 
     {
         return report("no arguments", err, err_len);
     }
-    bool const has_pos = a->position_ids_rank >= 0;
-    if (bad_rank(a->x_rank) || bad_rank(a->cos_rank) || bad_rank(a->sin_rank) || a->position_ids_rank > rope::kMaxRank)
-    {
-        return report("tensor ranks must be in [0, 8]", err, err_len);
-    }
-    rope::Dims const pd = has_pos ? to_dims(a->position_ids_shape, a->position_ids_rank) : rope::Dims{};
-    rope::Attrs const attrs{a->interleaved, a->num_heads, a->rotary_embedding_dim};
-    rope::Geometry g;
+    rope::Problem p{};
     std::string msg;
-    // Same order as rope_export.reference.rotary_embedding: shapes, then cos/sin dtypes, then dtypes.
-    if (!rope::resolve_shape(to_dims(a->x_shape, a->x_rank), to_dims(a->cos_shape, a->cos_rank),
-            to_dims(a->sin_shape, a->sin_rank), has_pos ? &pd : nullptr, attrs, g, msg))
+    if (!rope::problem_from_args(*a, p, msg))
     {
         return report(msg, err, err_len);
     }
-    if (a->interleaved != 0 && a->interleaved != 1)
-    {
-        return report("interleaved must be 0 or 1, got " + std::to_string(a->interleaved), err, err_len);
-    }
-    std::string const xt = a->x_dtype ? a->x_dtype : "";
-    std::string const ct = a->cos_dtype ? a->cos_dtype : "";
-    std::string const st = a->sin_dtype ? a->sin_dtype : "";
-    std::string const pt = a->position_ids_dtype ? a->position_ids_dtype : "";
-    if (ct != st)
-    {
-        return report("cos_cache (" + ct + ") and sin_cache (" + st + ") must have the same dtype", err, err_len);
-    }
-    if (!rope::check_dtypes(xt, ct, has_pos ? &pt : nullptr, msg))
-    {
-        return report(msg, err, err_len);
-    }
-    rope::StorageType x_type{};
-    rope::StorageType cache_type{};
-    rope::storage_type(xt, x_type);
-    rope::storage_type(ct, cache_type);
-    int64_t const elems = g.batch * g.seq * g.heads * g.head_dim;
-    if (elems > 0 && (a->x == nullptr || a->out == nullptr || a->cos_cache == nullptr || a->sin_cache == nullptr
-                         || (has_pos && a->position_ids == nullptr)))
-    {
-        return report("a tensor pointer is null", err, err_len);
-    }
-    rope::Problem const p = rope::make_problem(
-        g, a->interleaved != 0, x_type, cache_type, a->x, a->cos_cache, a->sin_cache, a->position_ids, a->out);
+    int64_t const elems = p.batch * p.seq * p.heads * p.head_dim;
     rope::Plan const l = rope::make_plan(p, a->force_scalar != 0);
     if (plan_out != nullptr)
     {
-        *plan_out = RopeTwinPlan{l.vectorized ? 1 : 0, l.pairs_per_unit, l.tail_elems, l.rot_units, l.units, l.block_x,
-            l.block_y, l.grid_y, l.grid_x, l.tokens};
+        *plan_out = rope::plan_to_c(l);
     }
     int64_t const begin = std::max<int64_t>(a->block_begin, 0);
     int64_t const end = a->block_end < 0 ? l.grid_x : std::min(a->block_end, l.grid_x);

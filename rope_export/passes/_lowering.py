@@ -1,6 +1,7 @@
 """What every lowering rule shares: the pattern (one ``rope_export::RotaryEmbedding`` node), the
-reading of that node against the op contract (``RotarySite``), and the guarded per-token cache
-gather that keeps the contract's out-of-range behaviour on targets whose op lacks it.
+reading of that node against the op contract (``RotarySite``), and the guard that keeps the
+contract's out-of-range behaviour on targets whose op lacks it: per-token caches gathered with
+clamped rows, and a select of X itself for the tokens outside the cache (``pass_through``).
 """
 
 from __future__ import annotations
@@ -134,28 +135,45 @@ def const(op, values, dtype=np.int64) -> ir.Value:
     return op.Constant(value=ir.tensor(np.asarray(values, dtype=dtype)))
 
 
-def scalar(op, value: float, dtype: ir.DataType) -> ir.Value:
-    return op.Constant(value=ir.tensor(np.asarray(value, dtype=dtype.numpy())))
+def token_validity(op, site: RotarySite) -> ir.Value:
+    """[B, S] bool: the position lies in [0, max_pos). Only for sites with position_ids."""
+    pos = site.position_ids
+    max_pos = dim(site.cos, 0)
+    limit = const(op, max_pos) if max_pos is not None else op.Gather(op.Shape(site.cos), const(op, 0), axis=0)
+    return op.And(op.GreaterOrEqual(pos, const(op, 0)), op.Less(pos, limit))
 
 
-def per_token_caches(op, site: RotarySite, dtype: ir.DataType) -> tuple[ir.Value, ir.Value]:
-    """[B, S, rd/2] cos/sin in ``dtype``; positions outside [0, max_pos) get cos=1, sin=0.
+def per_token_caches(op, site: RotarySite, dtype: ir.DataType, valid: ir.Value | None) -> tuple[ir.Value, ir.Value]:
+    """[B, S, rd/2] cos/sin in ``dtype``, gathered at clamped rows (``valid`` from token_validity).
 
-    Without position_ids the caches already are per token and are only cast.
+    Tokens outside the cache read row 0; their result is discarded by ``pass_through``. Without
+    position_ids the caches already are per token and are only cast.
     """
     cos, sin = site.cos, site.sin
     if site.position_ids is not None:
-        pos = site.position_ids
-        max_pos = dim(cos, 0)
-        limit = const(op, max_pos) if max_pos is not None else op.Gather(op.Shape(cos), const(op, 0), axis=0)
-        valid = op.And(op.GreaterOrEqual(pos, const(op, 0)), op.Less(pos, limit))
-        safe = op.Where(valid, pos, const(op, 0))
-        valid3 = op.Unsqueeze(valid, const(op, [-1]))
-        cos = op.Where(valid3, op.Gather(cos, safe, axis=0), scalar(op, 1.0, site.cache_dtype))
-        sin = op.Where(valid3, op.Gather(sin, safe, axis=0), scalar(op, 0.0, site.cache_dtype))
+        safe = op.Where(valid, site.position_ids, const(op, 0))
+        cos, sin = op.Gather(cos, safe, axis=0), op.Gather(sin, safe, axis=0)
     if site.cache_dtype != dtype:
         cos, sin = op.Cast(cos, to=dtype), op.Cast(sin, to=dtype)
     return cos, sin
+
+
+def pass_through(op, valid: ir.Value | None, y: ir.Value, x: ir.Value, token_axes: tuple[int, int],
+                 rank: int) -> ir.Value:
+    """``y`` where the token's position lies in the cache, else ``x``: the contract's pass-through.
+
+    A select, not an identity rotation: x*1 - y*0 turns inf into nan, a copy keeps every bit.
+    ``token_axes``: where B and S sit in y/x (rank ``rank``); ``valid`` [B, S] is broadcast there.
+    """
+    if valid is None:
+        return y
+    axes = [a for a in range(rank) if a not in token_axes]
+    return op.Where(op.Unsqueeze(valid, const(op, axes)), y, x)
+
+
+def x_token_axes(site: RotarySite) -> tuple[int, int]:
+    """Where B and S sit in X: [B, H, S, D] or [B, S, H*D]."""
+    return (0, 2) if site.rank == 4 else (0, 1)
 
 
 def cast_if(op, value: ir.Value, have: ir.DataType, want: ir.DataType) -> ir.Value:
@@ -173,6 +191,12 @@ def math_dtype(site: RotarySite) -> ir.DataType:
     if site.cache_dtype == ir.DataType.FLOAT and site.x_dtype != ir.DataType.FLOAT:
         return ir.DataType.FLOAT
     return site.x_dtype
+
+
+BFLOAT16_NOTE = (
+    "bfloat16 X: the lowered file does not run on onnxruntime's CPU provider, which has no bfloat16 kernels for "
+    "Where (the out-of-range pass-through), Add or MatMul; it runs on TensorRT and onnx.reference"
+)
 
 
 @dataclass
@@ -197,15 +221,32 @@ class LowerRotary(pattern.RewriteRuleClassBase, abc.ABC):
         self.log = log if log is not None else LoweringLog()
         self._memo: dict = {}
 
-    def per_token(self, op, site: RotarySite, dtype: ir.DataType) -> tuple[ir.Value, ir.Value]:
-        """``per_token_caches``, built once for the nodes that share caches and positions (q and k).
+    def validity(self, op, site: RotarySite) -> ir.Value | None:
+        """``token_validity`` built once per (positions, cache); None without position_ids.
 
         Nodes are rewritten in graph order and each replacement lands after its node, so values
-        made for the first node are defined before the second one."""
+        made for the first node (q) are defined before the second one (k) uses them."""
+        if site.position_ids is None:
+            return None
+        key = ("valid", site.position_ids, site.cos)
+        if key not in self._memo:
+            self._memo[key] = token_validity(op, site)
+        return self._memo[key]
+
+    def per_token(self, op, site: RotarySite, dtype: ir.DataType) -> tuple[ir.Value, ir.Value]:
+        """``per_token_caches``, built once for the nodes that share caches and positions (q and k)."""
         key = (site.cos, site.sin, site.position_ids, dtype)
         if key not in self._memo:
-            self._memo[key] = per_token_caches(op, site, dtype)
+            self._memo[key] = per_token_caches(op, site, dtype, self.validity(op, site))
         return self._memo[key]
+
+    def select_and_cast(self, op, site: RotarySite, y: ir.Value, dtype: ir.DataType) -> ir.Value:
+        """The op's result ``y`` (computed in ``dtype``) cast to X's dtype, out-of-range tokens X's own.
+
+        The select runs in X's dtype, so it copies every bit (a round trip through float32 would
+        not keep a nan's payload: onnxruntime's and onnx.reference's Casts make it canonical)."""
+        y = cast_if(op, y, dtype, site.x_dtype)
+        return pass_through(op, self.validity(op, site), y, site.x, x_token_axes(site), site.rank)
 
     def cleanup(self):
         self._memo.clear()
@@ -220,6 +261,8 @@ class LowerRotary(pattern.RewriteRuleClassBase, abc.ABC):
         try:
             site = read_site(node)
             self.check_site(site)
+            if site.x_dtype == ir.DataType.BFLOAT16:
+                self.log.note(BFLOAT16_NOTE)
         except SiteError as exc:
             label = node.name or f"{OP_TYPE} -> {y.name}"
             self.log.failures[label] = str(exc)

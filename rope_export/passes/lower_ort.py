@@ -7,14 +7,18 @@ Casts of X, see ``_lowering.math_dtype``); attributes ``interleaved``, ``num_hea
 ``rotary_embedding_dim`` is set), ``rotary_embedding_dim``, ``scale``, ``is_packed_batching``.
 
 Position ids are mandatory and the caches must be 2-D, so per-token caches (the contract's form
-without position_ids, and the guarded form) are flattened to [B*S, rd/2] and indexed with
-``arange(B*S).reshape(B, S)``. Guarding works as in the ``onnx`` lowering; with
+without position_ids, and the guarded form) are flattened to [B*S, rd/2] (``Flatten``) and indexed
+with ids ``b*S + s`` built by broadcasting (no Reshape: a Reshape to [B, S] or [-1, rd/2] fails
+at batch 0 or seq 0 without ``allowzero``); at batch 0 the rows get S zero rows appended, since the
+kernel refuses a cache with fewer rows than tokens per sequence. Guarding works as in the ``onnx`` lowering (a select
+of X for out-of-range tokens); with
 ``guard_positions=False`` and position_ids present the op gets them directly (onnxruntime's CPU
 kernel then rejects out-of-range positions, its CUDA kernel passes the token through).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, cast_if, const, math_dtype
@@ -34,8 +38,7 @@ class LowerToOrt(LowerRotary):
             )
         if math_dtype(site) == ir.DataType.BFLOAT16:
             self.log.note(
-                "com.microsoft RotaryEmbedding has a bfloat16 kernel on onnxruntime's CUDA provider only; for "
-                "onnxruntime CPU lower with --target decomposed"
+                "com.microsoft RotaryEmbedding has a bfloat16 kernel on onnxruntime's CUDA provider only"
             )
 
     def emit(self, op, site: RotarySite) -> ir.Value:
@@ -57,14 +60,22 @@ class LowerToOrt(LowerRotary):
         if key not in self._memo:
             cos, sin = self.per_token(op, site, dtype)  # [B, S, rd/2]
             shape = op.Shape(cos)
-            flat = op.Concat(const(op, [-1]), op.Slice(shape, const(op, [2]), const(op, [3]), const(op, [0])), axis=0)
-            batch_seq = op.Slice(shape, const(op, [0]), const(op, [2]), const(op, [0]))
-            count = op.ReduceProd(batch_seq, keepdims=0)
-            ids = op.Reshape(op.Range(const(op, 0), count, const(op, 1)), batch_seq)  # [B, S] = b*S + s
-            self._memo[key] = (ids, op.Reshape(cos, flat), op.Reshape(sin, flat))
+            batch = op.Gather(shape, const(op, 0), axis=0)
+            seq = op.Gather(shape, const(op, 1), axis=0)
+            rows = op.Unsqueeze(op.Mul(op.Range(const(op, 0), batch, const(op, 1)), seq), const(op, [1]))
+            cols = op.Unsqueeze(op.Range(const(op, 0), seq, const(op, 1)), const(op, [0]))
+            ids = op.Add(rows, cols)  # [B, S] = b*S + s, also when B or S is 0
+            # The kernel refuses fewer cache rows than tokens per sequence (B*S < S only at batch 0):
+            # append S zero rows then (never read: there is no token). Costs a copy of the rows.
+            spare = op.Mul(seq, op.Cast(op.Equal(batch, const(op, 0)), to=ir.DataType.INT64))
+            width = op.Slice(shape, const(op, [2]), const(op, [3]), const(op, [0]))
+            zero = op.Constant(value=ir.tensor(np.zeros((1, 1), dtype=dtype.numpy())))  # any dtype, unlike
+            zeros = op.Expand(zero, op.Concat(op.Unsqueeze(spare, const(op, [0])), width, axis=0))  # ConstantOfShape
+            self._memo[key] = (ids, op.Concat(op.Flatten(cos, axis=2), zeros, axis=0),
+                               op.Concat(op.Flatten(sin, axis=2), zeros, axis=0))
         ids, rows_cos, rows_sin = self._memo[key]
         y = op.RotaryEmbedding(x, ids, rows_cos, rows_sin, _domain=MS_DOMAIN, _version=1, _name=name, **attrs)
-        return cast_if(op, y, dtype, site.x_dtype)
+        return self.select_and_cast(op, site, y, dtype)
 
     @classmethod
     def prepare(cls, model: ir.Model) -> ir.Model:

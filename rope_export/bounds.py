@@ -1,0 +1,160 @@
+"""Bounds on the numbers a user hands in: field checks (type, range, finiteness) and memory.
+
+One place for both, so a preset, a transformers config or a command-line option is refused with
+the same kind of message, before any work: ``check_int``/``check_number``/``check_bool`` name the
+field and what it must be (``num_heads = true`` is not 1 head, ``factor = inf`` is not a factor),
+and ``check_allocation`` says what would be allocated and refuses what this machine cannot hold
+(``--cache-len 1000000000`` is 238 GiB of float64 angles and caches for the tiny preset).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Callable, Mapping
+
+INT32_MAX = 2**31 - 1
+MAX_HEAD_DIM = 2**24  # the kernels' bound (plugins/core: units per token fit int32)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
+
+
+class FieldError(ValueError):
+    """A field value of the wrong type, outside its range, or not finite."""
+
+
+class AllocationError(ValueError):
+    """A request that would allocate more memory than this machine has."""
+
+
+def _kind(value) -> str:
+    return type(value).__name__
+
+
+def _show(value) -> str:
+    """repr, cut to one readable line (a hostile value may be a 400-digit int)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def check_int(field: str, value, low: int | None = 1, high: int | None = INT32_MAX, fail=None) -> int:
+    """``value`` as an int in [low, high]; a bool, a float or a string is refused, not converted."""
+    fail = fail or _raise
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(field, f"must be {'a positive' if low == 1 else 'an'} integer, got {_show(value)} ({_kind(value)})")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        if low == 1:
+            at_most = f" (at most {_bound(high)})" if high is not None else ""
+            fail(field, f"must be a positive integer{at_most}, got {_show(value)}")
+        fail(field, f"must be an integer in [{_bound(low)}, {_bound(high)}], got {_show(value)}")
+    return value
+
+
+def check_number(field: str, value, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False, fail=None) -> float:
+    """``value`` as a finite float in the range; inf, nan, bools and strings are refused."""
+    fail = fail or _raise
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(field, f"must be a number, got {_show(value)} ({_kind(value)})")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        number = math.inf
+    if not math.isfinite(number):
+        fail(field, f"must be a finite number, got {_show(value)}")
+    too_low = low is not None and (number <= low if low_open else number < low)
+    too_high = high is not None and (number >= high if high_open else number > high)
+    if too_low or too_high:
+        if high is None:
+            fail(field, f"must be a finite number {'>' if low_open else '>='} {_bound(low)}, got {_show(value)}")
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        fail(field, f"must be in {left}{_bound(low)}, {_bound(high)}{right}, got {_show(value)}")
+    return number
+
+
+def check_bool(field: str, value, fail=None) -> bool:
+    fail = fail or _raise
+    if not isinstance(value, bool):
+        fail(field, f"must be true or false, got {_show(value)} ({_kind(value)})")
+    return value
+
+
+def check_seed(seed) -> int:
+    """A seed torch.manual_seed accepts (``--seed 2**80`` overflowed inside torch)."""
+    def fail(_field, problem):
+        raise FieldError(f"seed {problem.replace('must be', 'must be, for torch,', 1)}; pass another --seed")
+
+    low, high = SEED_RANGE
+    return check_int("seed", seed, low, high, fail=fail)
+
+
+def _bound(value) -> str:
+    if value is None:
+        return "inf"
+    if isinstance(value, int) and abs(value) >= 2**20:
+        exponent = round(math.log2(abs(value) + 1))
+        if 2**exponent - abs(value) in (0, 1):  # 2**31 - 1 reads better as such
+            sign = "-" if value < 0 else ""
+            return f"{sign}2**{exponent}" + (" - 1" if abs(value) == 2**exponent - 1 else "")
+    return f"{value:g}" if isinstance(value, float) and not value.is_integer() else str(int(value))
+
+
+def _raise(field: str, problem: str):
+    raise FieldError(f"field '{field}': {problem}")
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux MemAvailable; else free pages), or None if unknown.
+
+    Available, not installed: on a shared machine the installed figure lets a request through that
+    the kernel then kills halfway."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_allocation(what: str, parts: Mapping[str, int], fix: str, limit: int | None = None) -> int:
+    """Refuse, before allocating, ``what`` when its ``parts`` (name -> bytes) exceed the memory.
+
+    ``limit`` defaults to the memory available now. Returns the total.
+    """
+    total = sum(parts.values())
+    limit = available_memory() if limit is None else limit
+    if limit is not None and total > limit:
+        detail = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items() if size)
+        raise AllocationError(
+            f"{what} would allocate {format_bytes(total)} ({detail}), more than the {format_bytes(limit)} of "
+            f"memory available; {fix}"
+        )
+    return total
+
+
+def module_bytes(build: Callable[[], object]) -> int:
+    """Bytes of the parameters and buffers ``build()`` would allocate, measured on torch's meta
+    device (nothing is allocated): for models whose size is easier to build than to compute."""
+    import torch
+
+    with torch.device("meta"):
+        module = build()
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
