@@ -185,7 +185,10 @@ def cli_steps(console, title: str, summary_json: str | os.PathLike | None = None
     if summary_json is not None:
         from rope_export.fileio import check_writable
 
-        check_writable(summary_json)
+        try:
+            check_writable(summary_json)
+        except OSError as exc:
+            raise ValueError(f"--summary-json: {exc}") from None
     with console.status("starting") as status:
         log = console_log(console, status)
         try:
