@@ -11,13 +11,9 @@ file alone.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import os
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +30,7 @@ from rope_export import (
 from rope_export.fileio import check_writable
 from rope_export.onnx_files import EXTERNAL_DATA, EXTERNAL_DATA_HELP
 from rope_export.presets import Preset, load_preset
+from rope_export.torch_onnx import quiet_exporter as _quiet_exporter  # rope_export.hf imports it from here
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MIN_OPSET = 18  # the lowest ai.onnx opset torch's dynamo exporter emits
@@ -121,57 +118,6 @@ def _check_opset(opset: int) -> None:
             f"emits) to {newest} (the newest this onnx knows); pick one in that range, e.g. 23 for the "
             "standard RotaryEmbedding lowering"
         )
-
-
-# torch.onnx's own step lines, shown as progress steps (the dynamo exporter prints them to stdout).
-TORCH_ONNX_PHASES = {
-    "Obtain model graph": "tracing the model with torch.export",
-    "Run decompositions": "decomposing to core ATen ops",
-    "Translate the graph into ONNX": "translating the graph to ONNX",
-    "Optimize the ONNX graph": "optimizing the ONNX graph (onnxscript)",
-}
-
-
-class _PhaseLines(io.TextIOBase):
-    """A stdout stand-in that passes torch.onnx's "[torch.onnx] <phase>..." lines on as progress steps."""
-
-    def __init__(self, progress: Callable[[str], None] | None):
-        self.progress, self.pending, self.last = progress, "", None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        *lines, self.pending = (self.pending + text).split("\n")
-        for line in lines:
-            for phase, step in TORCH_ONNX_PHASES.items():
-                if line.startswith("[torch.onnx]") and phase in line and line.rstrip().endswith("...") \
-                        and step != self.last and self.progress is not None:
-                    self.last = step
-                    self.progress(step)
-        return len(text)
-
-
-@contextlib.contextmanager
-def _quiet_exporter(verbose: bool, progress: Callable[[str], None] | None = None) -> Iterator[None]:
-    """torch.onnx prints its own step lines and warnings; keep them for --verbose only.
-
-    With ``progress``, its phases (tracing, decomposing, translating, optimizing) become steps."""
-    if verbose:
-        yield
-        return
-    sink = _PhaseLines(progress)
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 # -- from torch.onnx's program to a file, weights streamed ----------------------------------------
