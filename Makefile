@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup plugin demo test lint clean
+.PHONY: setup plugin demo test test-slow lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ lint: setup
 
 test: lint plugin
 	$(PY) -m pytest -q
+
+# Tests at real model sizes (marker `slow`; minutes, ~3 GB of memory, ~8 GB of free disk in $$TMPDIR):
+# a model past protobuf's 2 GB limit exported, lowered to every target and fused.
+test-slow: setup plugin
+	$(PY) -m pytest -q -m slow --durations=0
 
 clean:
 	rm -rf $(VENV) build out .pytest_cache .ruff_cache .hypothesis
