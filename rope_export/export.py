@@ -183,7 +183,7 @@ def finish_export(graph: onnx.ModelProto, program, output: str | os.PathLike | N
         return proto
     try:
         onnx_files.write(model, output, external=external, check=check, progress=progress)
-    except onnx.checker.ValidationError as exc:
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ExportError(f"onnx.checker rejected the exported model, nothing was written: "
                           f"{str(exc).strip().splitlines()[0]}") from exc
     return onnx.load_model(str(output), load_external_data=False)
