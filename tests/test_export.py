@@ -130,11 +130,11 @@ def test_a_model_past_the_threshold_streams_its_weights_to_an_external_file(tmp_
     from rope_export import onnx_files
     from rope_export.steps import StepLog
 
-    in_memory = export("tiny", decode=True, cache_len=CACHE_LEN).model
+    in_memory = exported_model("tiny")  # the same export, kept in memory
     monkeypatch.setattr(onnx_files, "EXTERNAL_DATA_THRESHOLD", 1000)  # pretend the weights are past 2 GB
     path = tmp_path / "big.onnx"
     steps = StepLog()
-    result = export("tiny", path, decode=True, cache_len=CACHE_LEN, progress=steps)
+    result = export(load_preset("tiny").scaled_down(), path, decode=True, cache_len=CACHE_LEN, progress=steps)
     steps.finish()
     assert sorted(os.listdir(tmp_path)) == ["big.onnx", "big.onnx.data"]
     names = [s.name for s in steps.steps]

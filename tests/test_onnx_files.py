@@ -59,6 +59,14 @@ def listing(folder) -> list[str]:
 X = RNG.standard_normal((3, 64)).astype(np.float32)
 
 
+@pytest.fixture(autouse=True)
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt here even when the suite runs as a background job (SIGINT ignored)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("external", ["auto", "never", "single", "per-tensor"])
 def test_every_layout_round_trips_through_onnx_and_onnxruntime(tmp_path, external):
     model = mlp_model()
@@ -187,6 +195,7 @@ def test_switching_layouts_replaces_the_old_data(tmp_path):
 
 CHILD = textwrap.dedent("""
     import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started from a background job
     sys.path.insert(0, {tests!r})
     from test_onnx_files import mlp_model
     from rope_export import onnx_files
