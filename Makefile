@@ -19,7 +19,7 @@ TRT_LEAN10_DIR := build/trt-lean-10
 export TENSORRT_INCLUDE_DIR
 export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
 
-.PHONY: setup plugin trt-lean demo test lint clean
+.PHONY: setup plugin trt-lean demo test test-slow lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ lint: setup
 
 test: lint plugin trt-lean
 	$(PY) -m pytest -q
+
+# Tests at real model sizes (marker `slow`; minutes, ~3 GB of memory, ~8 GB of free disk in $$TMPDIR):
+# a model past protobuf's 2 GB limit exported, lowered to every target and fused.
+test-slow: setup plugin
+	$(PY) -m pytest -q -m slow --durations=0
 
 clean:
 	rm -rf $(VENV) build out .pytest_cache .ruff_cache .hypothesis

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 INT32_MAX = 2**31 - 1
 MAX_HEAD_DIM = 2**24  # the kernels' bound (plugins/core: units per token fit int32)
@@ -147,14 +147,3 @@ def check_allocation(what: str, parts: Mapping[str, int], fix: str, limit: int |
             f"memory available; {fix}"
         )
     return total
-
-
-def module_bytes(build: Callable[[], object]) -> int:
-    """Bytes of the parameters and buffers ``build()`` would allocate, measured on torch's meta
-    device (nothing is allocated): for models whose size is easier to build than to compute."""
-    import torch
-
-    with torch.device("meta"):
-        module = build()
-    tensors = list(module.parameters()) + list(module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -11,30 +11,29 @@ file alone.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import os
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import torch
 
 from rope_export import (
     __version__,
     contract,
+    onnx_files,
     onnx_op,  # noqa: F401  (registers the rope_export schema for onnxscript)
 )
-from rope_export.fileio import atomic_path, check_writable
+from rope_export.fileio import check_writable
+from rope_export.onnx_files import EXTERNAL_DATA, EXTERNAL_DATA_HELP
 from rope_export.presets import Preset, load_preset
+from rope_export.torch_onnx import quiet_exporter as _quiet_exporter  # rope_export.hf imports it from here
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MIN_OPSET = 18  # the lowest ai.onnx opset torch's dynamo exporter emits
-EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # protobuf's 2 GB limit, with room for the graph itself
 METADATA_PREFIX = "rope_export."
 
 # Graph I/O names: the contract between export, lowering, check and the serving side.
@@ -121,24 +120,101 @@ def _check_opset(opset: int) -> None:
         )
 
 
-@contextlib.contextmanager
-def _quiet_exporter(verbose: bool) -> Iterator[None]:
-    """torch.onnx prints its own step lines and warnings; keep them for --verbose only."""
-    if verbose:
-        yield
-        return
-    sink = io.StringIO()
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
+# -- from torch.onnx's program to a file, weights streamed ----------------------------------------
+#
+# torch.onnx.export returns an ONNXProgram whose onnx_ir model refers to the torch tensors (or
+# views of them) without copying. ``graph_proto`` gives the graph as a ModelProto to edit (names,
+# metadata) with every tensor over onnx_files.INLINE_LIMIT bytes left as a placeholder, so no
+# weight is copied into protobuf; ``finish_export`` puts the program's tensors back and writes
+# them to disk one at a time (or, without an output path, builds the in-memory ModelProto).
+
+PENDING_WEIGHTS = "rope-export-pending-weights"  # the placeholders' external-data location
+
+
+def graph_proto(program) -> onnx.ModelProto:
+    """The exported graph (an ``ONNXProgram``'s model) with placeholders instead of its large tensors."""
+    swaps = {}
+    for graph in program.model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if tensor is not None and tensor.nbytes > onnx_files.INLINE_LIMIT:
+                swaps[value] = ir.ExternalTensor(PENDING_WEIGHTS, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape,
+                                                 name=value.name)
+    saved = {value: value.const_value for value in swaps}
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
-            warnings.simplefilter("ignore")
-            yield
+        for value, placeholder in swaps.items():
+            value.const_value = placeholder
+        return ir.to_proto(program.model)
     finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+        for value, tensor in saved.items():
+            value.const_value = tensor
+
+
+def finish_export(graph: onnx.ModelProto, program, output: str | os.PathLike | None = None, *,
+                  external: str = "auto", check: bool = True,
+                  progress: Callable[[str], None] | None = None) -> onnx.ModelProto:
+    """The edited ``graph_proto`` with the program's tensors back: checked, and written when ``output`` is given.
+
+    With ``output``: weights streamed from torch to disk, onnx.checker's full check on the staged
+    file, then the model and its data moved into place (``onnx_files.write``); returns the file's
+    ModelProto as written (with external data, its initializers refer to ``<output>.data``).
+    Without: the whole ModelProto in memory (checked when it fits protobuf's 2 GB).
+    """
+    say = progress or (lambda message: None)
+    model = ir.from_proto(graph)
+    sources = {value.name: value.const_value for g in program.model.graphs() for value in g.initializers.values()}
+    for g in model.graphs():
+        for value in g.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and tensor.location == PENDING_WEIGHTS:
+                if value.name not in sources:
+                    raise ExportError(f"initializer {value.name!r} is not in the exported program; was it renamed "
+                                      "between graph_proto and finish_export?")
+                value.const_value = sources[value.name]
+    if output is None:
+        weights = onnx_files.weight_bytes(model)
+        if weights >= onnx_files.EXTERNAL_DATA_THRESHOLD:
+            raise ExportError(f"the model has {weights / 1e9:.2f} GB of weights, past protobuf's 2 GB limit for one "
+                              "in-memory ModelProto; give an output path (the weights then go to <output>.data)")
+        proto = ir.to_proto(model)
+        if check:
+            say("checking the model (onnx.checker, full check)")
+            onnx.checker.check_model(proto, full_check=True)
+        return proto
+    try:
+        onnx_files.write(model, output, external=external, check=check, progress=progress)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ExportError(f"onnx.checker rejected the exported model, nothing was written: "
+                          f"{str(exc).strip().splitlines()[0]}") from exc
+    return onnx.load_model(str(output), load_external_data=False)
+
+
+def export_program(block: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *, opset: int = 23,
+                   decode: bool = False, verbose: bool = False, progress: Callable[[str], None] | None = None):
+    """torch.onnx's ONNXProgram of a block called as ``(hidden_states, position_ids[, past_key, past_value])``."""
+    _check_opset(opset)
+    n_in = 4 if decode else 2
+    with torch.no_grad(), _quiet_exporter(verbose, progress):
+        return torch.onnx.export(
+            block,
+            tuple(inputs[:n_in]),
+            dynamo=True,
+            opset_version=opset,
+            input_names=list(INPUT_NAMES[:n_in]),
+            output_names=list(OUTPUT_NAMES),
+            dynamic_shapes=_dynamic_shapes(decode),
+            custom_translation_table=custom_translation_table(),
+            verbose=True if verbose else None,  # None: torch.onnx prints its phases; _quiet_exporter makes them steps
+        )
+
+
+def _named_graph(program, decode: bool, metadata: dict[str, str] | None) -> onnx.ModelProto:
+    graph = graph_proto(program)
+    rename_dynamic_dims(graph, batch_seq=(0, 0), past=2 if decode else None)
+    for key, value in (metadata or {}).items():
+        graph.metadata_props.add(key=key, value=value)
+    graph.producer_name, graph.producer_version = "rope-export", __version__
+    return graph
 
 
 def export_block(
@@ -150,27 +226,9 @@ def export_block(
     metadata: dict[str, str] | None = None,
     verbose: bool = False,
 ) -> onnx.ModelProto:
-    """Export a block whose forward is ``(hidden_states, position_ids[, past_key, past_value])``."""
-    _check_opset(opset)
-    n_in = 4 if decode else 2
-    with torch.no_grad(), _quiet_exporter(verbose):
-        program = torch.onnx.export(
-            block,
-            tuple(inputs[:n_in]),
-            dynamo=True,
-            opset_version=opset,
-            input_names=list(INPUT_NAMES[:n_in]),
-            output_names=list(OUTPUT_NAMES),
-            dynamic_shapes=_dynamic_shapes(decode),
-            custom_translation_table=custom_translation_table(),
-            verbose=verbose,
-        )
-    model = program.model_proto
-    rename_dynamic_dims(model, batch_seq=(0, 0), past=2 if decode else None)
-    for key, value in (metadata or {}).items():
-        model.metadata_props.add(key=key, value=value)
-    model.producer_name, model.producer_version = "rope-export", __version__
-    return model
+    """Export a block whose forward is ``(hidden_states, position_ids[, past_key, past_value])``; in memory."""
+    program = export_program(block, inputs, opset=opset, decode=decode, verbose=verbose)
+    return finish_export(_named_graph(program, decode, metadata), program, check=False)
 
 
 def rename_dynamic_dims(model: onnx.ModelProto, batch_seq: tuple[int, int], past: int | None) -> None:
@@ -237,13 +295,20 @@ def export(
     decode: bool = False,
     seed: int = 0,
     cache_len: int | None = None,
+    external: str = "auto",
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
 ) -> ExportResult:
-    """Export a preset's block (seeded random weights) and, with ``output``, write it atomically."""
+    """Export a preset's block (seeded random weights) and, with ``output``, write it atomically.
+
+    ``external``: where the weights go (``onnx_files.EXTERNAL_DATA``: auto, single, per-tensor,
+    never). With ``output``, ``result.model`` is the file as written (see ``finish_export``).
+    """
     say = progress or (lambda message: None)
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if external not in EXTERNAL_DATA:
+        raise ExportError(f"unknown external data mode {external!r}; use one of {', '.join(EXTERNAL_DATA)}")
     _check_opset(opset)
     if output is not None:
         _check_writable(Path(output))
@@ -251,14 +316,10 @@ def export(
     say(f"building the {preset.name} block ({dtype}, seed {seed})")
     block = preset.build_block(DTYPES[dtype], seed=seed, cache_len=cache_len)
     inputs = example_inputs(preset, DTYPES[dtype], decode)
-    say("exporting with torch.export + the rope_export translation (this takes a few seconds)")
+    say("exporting with torch.export + the rope_export translation")
     metadata = preset_metadata(preset, dtype, seed, cache_len, decode)
-    model = export_block(block, inputs, opset=opset, decode=decode, metadata=metadata, verbose=verbose)
-    say("checking the file (onnx.checker, full check)")
-    onnx.checker.check_model(model, full_check=True)
-    if output is not None:
-        say(f"writing {output}")
-        save_model(model, output)
+    program = export_program(block, inputs, opset=opset, decode=decode, verbose=verbose, progress=say)
+    model = finish_export(_named_graph(program, decode, metadata), program, output, external=external, progress=say)
     return ExportResult(model, None if output is None else Path(output), preset, dtype, decode)
 
 
@@ -270,32 +331,9 @@ def _check_writable(path: Path) -> None:
         raise ExportError(str(exc)) from None
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Write atomically; a model over protobuf's 2 GB limit keeps its weights in ``<name>.data``."""
-    path = Path(path)
-    if model.ByteSize() < EXTERNAL_DATA_THRESHOLD:
-        with atomic_path(path) as tmp:
-            onnx.save_model(model, tmp)
-        return
-    data_name = path.name + ".data"
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)  # saving with external data rewrites the proto in place; keep the caller's intact
-    model = copy
-    with atomic_path(path.with_name(data_name)) as tmp_data, atomic_path(path) as tmp_model:
-        # The data file is written under its temporary name, then renamed before the model that
-        # names it, so a reader never finds a model pointing at missing or partial data.
-        onnx.save_model(model, tmp_model, save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=tmp_data.name, size_threshold=1024)
-        _relocate_external_data(tmp_model, tmp_data.name, data_name)
-
-
-def _relocate_external_data(model_path: Path, old: str, new: str) -> None:
-    model = onnx.load_model(model_path, load_external_data=False)
-    for tensor in model.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location" and entry.value == old:
-                entry.value = new
-    onnx.save_model(model, model_path)
+def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike, external: str = "auto") -> None:
+    """Write atomically; past protobuf's 2 GB limit the weights go to ``<name>.data`` (``onnx_files.write``)."""
+    onnx_files.write(model, path, external=external)
 
 
 def summarize(model: onnx.ModelProto) -> dict:
@@ -335,6 +373,21 @@ def decomposed_export(preset: Preset, dtype: str = "fp32", decode: bool = False,
 
 # -- CLI ---------------------------------------------------------------------------------------
 
+def add_output_arguments(parser) -> None:
+    """``--external-data`` and ``--summary-json``, shared by export, lower and fuse."""
+    parser.add_argument("--external-data", choices=EXTERNAL_DATA, default="auto", help=EXTERNAL_DATA_HELP)
+    parser.add_argument("--summary-json", metavar="PATH", default=None,
+                        help="also write the summary (time and peak RSS per step, files and sizes) as JSON")
+
+
+def output_files(path: str | os.PathLike) -> list[tuple[Path, int]]:
+    """The model file and, if there is one, its external data, with their sizes."""
+    from rope_export.steps import file_sizes
+
+    return file_sizes([Path(path), onnx_files.data_path(path)])
+
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "export", help="export a preset's attention block to ONNX with one rotary node per rotated tensor"
@@ -351,6 +404,7 @@ def register(subparsers) -> None:
                         help="also export the block with decomposed RoPE and report the node-count reduction")
     parser.add_argument("--verbose", action="store_true", help="show torch.onnx's own messages")
     parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    add_output_arguments(parser)
     from rope_export.hf import register_hf_arguments  # here, not at the top: rope_export.hf imports this module
 
     register_hf_arguments(parser)
@@ -362,21 +416,20 @@ def _run(args) -> int:
     from rich.table import Table
 
     from rope_export import hf
+    from rope_export.steps import cli_steps
 
     if hf.wants_hf_export(args):
         return hf.run_hf_export(args)
     console = Console()
-    with console.status("exporting") as status:
-        def progress(message: str) -> None:
-            status.update(message)
-            console.log(message)
-
+    with cli_steps(console, f"rope-export export: {args.output}", args.summary_json) as steps:
         result = export(args.preset, args.output, dtype=args.dtype, opset=args.opset, decode=args.decode,
-                        seed=args.seed, cache_len=args.cache_len, progress=progress, verbose=args.verbose)
+                        seed=args.seed, cache_len=args.cache_len, external=args.external_data, progress=steps,
+                        verbose=args.verbose)
         baseline = None
         if args.compare_decomposed:
-            progress("exporting the same block with decomposed RoPE, for comparison")
+            steps("exporting the same block with decomposed RoPE, for comparison")
             baseline = decomposed_export(result.preset, args.dtype, args.decode, args.opset, args.cache_len)
+        steps.add_files(output_files(args.output))
     summary = summarize(result.model)
     table = Table(title=f"{result.path} ({result.preset.name}, {args.dtype})")
     table.add_column("what")

@@ -1,12 +1,21 @@
-"""Atomic file writes: a reader never sees a half-written file, a failure leaves none behind."""
+"""Atomic file writes: a reader never sees a half-written file, a failure leaves none behind.
+
+Single files go through ``atomic_path`` (a temporary file beside the target, renamed onto it).
+Groups of files that must appear together (an ONNX model and its external weights) are written
+into a ``staging_dir`` beside the target and moved into place by ``commit_moves``, which holds
+SIGINT/SIGTERM until every rename is done.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import shutil
+import signal
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 # The atomic writers name their temporary files ".<name>.<8 random>.tmp" and, for ONNX external
@@ -89,22 +98,27 @@ def _probe(folder: Path, name: str) -> None:
             probe.unlink()
 
 
+def _usual_mode(path: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed onto ``path``.
 
-    The caller writes the file (or, for ONNX with external data, the file and its data file
-    next to it) at the yielded path. On any exception the temporary file is removed.
+    The caller writes the file at the yielded path. On any exception (KeyboardInterrupt
+    included) the temporary file is removed and an existing ``path`` is left as it was.
     """
     path = Path(path)
     parent = check_writable(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+    with signals_deferred():  # no interrupt between creating the temporary file and owning its cleanup
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+        tmp_path = Path(tmp)
     try:
+        os.close(fd)
+        _usual_mode(tmp_path)
         yield tmp_path
         os.replace(tmp_path, path)
     finally:
@@ -119,3 +133,63 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def staging_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A new hidden folder beside ``path`` (same file system, so moving out of it is a rename).
+
+    Write the files that belong together in it, then ``commit_moves`` them into place. The folder
+    and whatever is still in it are removed when the block ends, also on error or interrupt.
+    """
+    parent = check_writable(path)
+    with signals_deferred():  # no interrupt between creating the folder and owning its cleanup
+        stage = Path(tempfile.mkdtemp(prefix=f".{Path(path).name}.", suffix=".tmp", dir=parent))
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+_DEFERRED = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends; they take effect right after it.
+
+    Python runs signal handlers in the main thread only, so the handlers are swapped for ones
+    that just note the signal (blocking the signal would not do: another thread of the process,
+    e.g. onnxruntime's or torch's, would receive it). Elsewhere than in the main thread this does
+    nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    saved = {}
+    for number in _DEFERRED:
+        handler = signal.getsignal(number)
+        if handler is not None:  # None: installed outside Python; leave it alone
+            saved[number] = signal.signal(number, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+        for number in received:
+            signal.raise_signal(number)
+
+
+def commit_moves(moves: Sequence[tuple[Path, Path]], trash: Path) -> None:
+    """Rename each ``(source, target)`` in order, with SIGINT/SIGTERM held until all are done.
+
+    A target of another kind (a folder where a file goes, or the reverse) is first moved into
+    ``trash`` (a folder in the staging area, removed with it), since a rename cannot replace it.
+    Order the moves so that what is referred to lands before what refers to it.
+    """
+    with signals_deferred():
+        for source, target in moves:
+            if target.exists() and not target.is_symlink() and (target.is_dir() or source.is_dir()):
+                trash.mkdir(exist_ok=True)
+                os.replace(target, trash / target.name)
+            os.replace(source, target)

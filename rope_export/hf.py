@@ -46,7 +46,6 @@ import torch
 from torch import nn
 
 from rope_export import __version__, contract, ops
-from rope_export.bounds import check_allocation, module_bytes
 from rope_export.export import (
     DTYPES,
     INPUT_NAMES,
@@ -58,8 +57,9 @@ from rope_export.export import (
     _quiet_exporter,
     count_rotary_nodes,
     custom_translation_table,
+    finish_export,
+    graph_proto,
     rename_dynamic_dims,
-    save_model,
 )
 from rope_export.meta import patched
 from rope_export.rope_types import RopeConfig, RopeConfigError
@@ -553,12 +553,16 @@ def load_hf_config(path: str | os.PathLike):
         raise HFExportError(f"{path}: not a transformers config transformers can read: {exc}") from None
 
 
-def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: str = "fp32", seed: int = 0):
+def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: str = "fp32", seed: int = 0,
+                   progress: Callable[[str], None] | None = None):
     """The causal LM of ``config`` (a config object or a path), random (seeded) or from local ``weights``.
 
-    Attention is transformers' eager implementation, which exports to plain ONNX ops.
+    Attention is transformers' eager implementation, which exports to plain ONNX ops. The weights
+    are allocated once in ``dtype`` (``rope_export.checkpoints``: no float32 detour, no transient copy).
     """
     import transformers
+
+    from rope_export.checkpoints import CheckpointError, build_causal_lm
 
     if not isinstance(config, transformers.PretrainedConfig):
         config = load_hf_config(config)
@@ -569,19 +573,9 @@ def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: s
     auto = getattr(transformers, auto_name)
     torch_dtype = DTYPES[dtype]
     try:
-        # Size first, on the meta device (nothing allocated): a vocab_size of 1e10 is refused here.
-        size = module_bytes(lambda: auto.from_config(config, attn_implementation="eager", dtype=torch_dtype))
-        check_allocation(f"the {model_type} model", {"parameters and buffers": size},
-                         "check the config's sizes (vocab_size, hidden_size, num_hidden_layers, ...)")
-        if weights is None:
-            torch.manual_seed(seed)
-            model = auto.from_config(config, attn_implementation="eager", dtype=torch_dtype)
-        else:
-            weights = Path(weights)
-            if not weights.is_dir():
-                raise HFExportError(f"--weights {weights}: not a folder (give the folder with the *.safetensors files)")
-            model = auto.from_pretrained(str(weights), config=config, local_files_only=True,
-                                         attn_implementation="eager", dtype=torch_dtype)
+        model, _ = build_causal_lm(auto, config, torch_dtype, weights=weights, seed=seed, progress=progress)
+    except CheckpointError as exc:
+        raise HFExportError(str(exc)) from None
     except ValueError as exc:
         raise HFExportError(f"cannot build a {auto_name} for model_type {model_type!r}: {exc}") from None
     return model.eval()
@@ -738,14 +732,13 @@ def _dims():
     return batch, seq, past
 
 
-def _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose):
-    with torch.no_grad(), _quiet_exporter(verbose):
-        program = torch.onnx.export(
+def _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose, progress=None):
+    with torch.no_grad(), _quiet_exporter(verbose, progress):
+        return torch.onnx.export(
             module, tuple(inputs), dynamo=True, opset_version=opset, input_names=input_names,
             output_names=output_names, dynamic_shapes=dynamic_shapes,
-            custom_translation_table=custom_translation_table(), verbose=verbose,
+            custom_translation_table=custom_translation_table(), verbose=True if verbose else None,
         )
-    return program.model_proto
 
 
 def _check_dynamic(model: onnx.ModelProto, position_rank: int) -> None:
@@ -815,6 +808,7 @@ def export_hf(
     weights: str | None = None,
     seed: int = 0,
     example: tuple[int, int, int] = (2, 4, 3),
+    external: str = "auto",
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
 ) -> HFExportResult:
@@ -871,7 +865,8 @@ def export_hf(
     hook_ctx = rotary_hooked(model, family=fam) if fam is not None else contextlib.nullcontext()
     try:
         with _model_state_kept(model), hook_ctx as hook:
-            onnx_model = _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose)
+            program = _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose, say)
+            onnx_model = graph_proto(program)  # the graph; the weights stay in torch until finish_export
             _check_dynamic(onnx_model, position_rank)
     except HFExportError:
         raise
@@ -898,11 +893,7 @@ def export_hf(
         found = count_rotary_nodes(onnx_model)
         if found != expected:
             notes.append(f"expected {expected} rope_export nodes (q and k per layer), found {found}")
-    say("checking the file (onnx.checker, full check)")
-    onnx.checker.check_model(onnx_model, full_check=True)
-    if output is not None:
-        say(f"writing {output}")
-        save_model(onnx_model, output)
+    onnx_model = finish_export(onnx_model, program, output, external=external, progress=say)
     return HFExportResult(onnx_model, None if output is None else Path(output), fam, description, num_layers, kind,
                           notes)
 
@@ -936,7 +927,8 @@ def run_hf_export(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rope_export.export import summarize
+    from rope_export.export import output_files, summarize
+    from rope_export.steps import cli_steps
 
     try:
         import transformers  # noqa: F401
@@ -950,18 +942,16 @@ def run_hf_export(args) -> int:
                 f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
                 "the graph and the model is exported as it is"
             )
+    _check_writable(Path(args.output))  # before the minutes of building and tracing
     console = Console()
-    with console.status("exporting") as status:
-        def progress(message: str) -> None:
-            status.update(message)
-            console.log(message)
-
+    with cli_steps(console, f"rope-export export --hf: {args.output}", args.summary_json) as progress:
         progress(f"building the model from {args.hf}" + (f" with weights from {args.weights}" if args.weights else
                                                           f" (random weights, seed {args.seed})"))
-        model = build_hf_model(args.hf, args.weights, dtype=args.dtype, seed=args.seed)
+        model = build_hf_model(args.hf, args.weights, dtype=args.dtype, seed=args.seed, progress=progress)
         result = export_hf(model, args.output, layer=args.layer, family=args.hf_family, fallback=args.hf_fallback,
-                           opset=args.opset,
+                           opset=args.opset, external=args.external_data,
                            weights=args.weights, seed=args.seed, progress=progress, verbose=args.verbose)
+        progress.add_files(output_files(args.output))
     summary = summarize(result.model)
     table = Table(title=f"{result.path} ({type(model).__name__}, {args.dtype})")
     table.add_column("what")

@@ -21,7 +21,6 @@ from rope_export.export import (
     example_inputs,
     export,
     read_metadata,
-    save_model,
     summarize,
 )
 from rope_export.onnx_op import RotaryEmbedding
@@ -127,23 +126,44 @@ def test_custom_op_export_is_smaller_than_a_decomposed_one():
     assert len(ours.graph.node) < len(plain.graph.node)
 
 
-def test_external_data_for_large_models(tmp_path, monkeypatch):
-    import rope_export.export as export_module
+def test_a_model_past_the_threshold_streams_its_weights_to_an_external_file(tmp_path, monkeypatch):
+    from rope_export import onnx_files
+    from rope_export.steps import StepLog
 
-    model = exported_model("tiny")
-    monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD", 1000)  # pretend the file is over 2 GB
+    in_memory = exported_model("tiny")  # the same export, kept in memory
+    monkeypatch.setattr(onnx_files, "EXTERNAL_DATA_THRESHOLD", 1000)  # pretend the weights are past 2 GB
     path = tmp_path / "big.onnx"
-    save_model(model, path)
+    steps = StepLog()
+    result = export(load_preset("tiny").scaled_down(), path, decode=True, cache_len=CACHE_LEN, progress=steps)
+    steps.finish()
     assert sorted(os.listdir(tmp_path)) == ["big.onnx", "big.onnx.data"]
-    loaded = onnx.load_model(path)
-    stored = onnx.load_model(path, load_external_data=False).graph.initializer
-    assert any(i.data_location == onnx.TensorProto.EXTERNAL for i in stored)
+    names = [s.name for s in steps.steps]
+    for phase in ("tracing", "translating", "optimizing", "writing", "checking"):
+        assert any(phase in name for name in names), f"no {phase} step in {names}"
+    stored = result.model.graph.initializer  # the file as written: weights by reference
+    assert {i.name for i in stored if i.data_location == onnx.TensorProto.EXTERNAL} == \
+        {i.name for i in in_memory.graph.initializer if len(i.raw_data) > onnx_files.INLINE_LIMIT}
     onnx.checker.check_model(str(path), full_check=True)
-    original = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-    reloaded = {i.name: onnx.numpy_helper.to_array(i) for i in loaded.graph.initializer}
+    original = {i.name: onnx.numpy_helper.to_array(i) for i in in_memory.graph.initializer}
+    reloaded = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load_model(path).graph.initializer}
     assert original.keys() == reloaded.keys()
     for name, array in original.items():
         np.testing.assert_array_equal(reloaded[name], array, err_msg=name)
+
+
+def test_the_graph_is_edited_without_its_weights():
+    from rope_export import onnx_files
+    from rope_export.export import export_program, finish_export, graph_proto
+
+    preset = load_preset("llama-3.1-8b").scaled_down()
+    block = preset.build_block(torch.float16, cache_len=CACHE_LEN)
+    program = export_program(block, example_inputs(preset, torch.float16, False))
+    weights = sum(v.const_value.nbytes for v in program.model.graph.initializers.values())
+    proto = graph_proto(program)
+    assert all(len(i.raw_data) <= onnx_files.INLINE_LIMIT for i in proto.graph.initializer)  # no weight copied in
+    assert proto.ByteSize() < weights / 2
+    rebuilt = finish_export(proto, program)
+    assert rebuilt == program.model_proto  # every tensor back, nothing else changed
 
 
 def test_export_rejects_bad_requests(tmp_path):
@@ -181,6 +201,19 @@ def test_cli_errors_are_one_clear_line(argv, message, tmp_path, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_cli_checks_the_output_folder_before_building_a_transformers_model(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    from rope_export import hf
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the output folder was checked")
+
+    monkeypatch.setattr(hf, "build_hf_model", never)
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(["export", "--hf", str(tmp_path), "-o", str(tmp_path / "no" / "x.onnx")]) == 2
+    assert "the folder" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_dtype(capsys, tmp_path):

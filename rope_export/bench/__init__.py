@@ -11,7 +11,10 @@ comparison a ratio of two runners measured in the same rounds (``rope_export.ben
 3. ``twin``: the kernels' CPU twin against a single-thread memory copy of the same bytes;
 4. ``gpu``: TensorRT plugin / TensorRT RotaryEmbedding / onnxruntime CUDA / PyTorch eager with CUDA
    events; runs only with a GPU, otherwise reported as skipped with the reason (never zeros);
-5. ``kernels``: ptxas registers/spills/shared memory and 128-bit global accesses of every kernel.
+5. ``kernels``: ptxas registers/spills/shared memory and 128-bit global accesses of every kernel;
+6. ``scale`` (only when asked for, ``--sections scale``): a real-size transformers model (1B-class,
+   8B-class with ``--scale-sizes 8b``) exported, lowered and fused, each step in its own process,
+   wall time and peak RSS beside a plain ``torch.onnx.export`` (``rope_export.bench.scale``).
 
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` (atomically) into ``--out`` (default
 ``out/bench``). ``--quick`` fits in two minutes on 2 cores; ``--smoke`` uses toy shapes to check
@@ -25,12 +28,15 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from rope_export.bench.block import BlockCase
 from rope_export.bench.rope_alone import RopeCase
 
-SECTIONS = ("rope", "block", "twin", "gpu", "kernels")
-SECTION_KEYS = {"rope": "rope_alone", "block": "block", "twin": "twin", "gpu": "gpu", "kernels": "kernels"}
+SECTIONS = ("rope", "block", "twin", "gpu", "kernels", "scale")
+DEFAULT_SECTIONS = ("rope", "block", "twin", "gpu", "kernels")  # scale takes minutes and GBs: only when asked for
+SECTION_KEYS = {"rope": "rope_alone", "block": "block", "twin": "twin", "gpu": "gpu", "kernels": "kernels",
+                "scale": "scale"}
 DEFAULT_OUT = "out/bench"
 SCHEMA = "rope-export-bench/1"
 DESCRIPTION = (
@@ -71,10 +77,15 @@ class BenchConfig:
     rounds: dict[str, int] = field(default_factory=dict)
     block_rounds: dict[str, int] = field(default_factory=dict)
     profile_runs: int = 3
+    scale_sizes: tuple[str, ...] = ("1b",)
+    scale_dir: str | None = None  # default: OUT/scale-work
+    scale_reps: int = 1
+    scale_keep: bool = False
+    scale_check: bool = False
 
     @classmethod
     def for_mode(cls, mode: str = "quick", threads: int = 2, rounds: int | None = None,
-                 sections: tuple[str, ...] = SECTIONS) -> BenchConfig:
+                 sections: tuple[str, ...] = DEFAULT_SECTIONS) -> BenchConfig:
         if mode not in ROUNDS:
             raise ValueError(f"unknown mode {mode!r}; use full, quick or smoke")
         unknown = sorted(set(sections) - set(SECTIONS))
@@ -93,7 +104,7 @@ class BenchConfig:
             rope_rounds = dict.fromkeys(rope_rounds, rounds)
             block_rounds = dict.fromkeys(block_rounds, rounds)
         return cls(mode, threads, tuple(sections), rope_cases, list(BLOCK_CASES[mode]), dict(rope_rounds),
-                   dict(block_rounds), profile_runs)
+                   dict(block_rounds), profile_runs, scale_reps=rounds or 1)
 
 
 def _guarded(name: str, fn: Callable[[], dict], say: Callable[[str], None]) -> dict:
@@ -107,7 +118,7 @@ def _guarded(name: str, fn: Callable[[], dict], say: Callable[[str], None]) -> d
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
     """Run the configured sections; returns the JSON-ready results (``report.write_outputs`` saves them)."""
-    from rope_export.bench import block, gpu, kernels, report, rope_alone, twin
+    from rope_export.bench import block, gpu, kernels, report, rope_alone, scale, twin
     from rope_export.bench.timing import machine_info
 
     say = progress or (lambda message: None)
@@ -136,6 +147,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "twin": lambda: twin.run_section(table_cases, config.rounds, say),
         "gpu": lambda: gpu.run_section(config.mode, say),  # its own cases (issue 17): prefill 4096, decode 64
         "kernels": lambda: kernels.static_report(),
+        "scale": lambda: scale.run_section(config.scale_sizes, Path(config.scale_dir or "out/bench/scale-work"),
+                                           reps=config.scale_reps, keep=config.scale_keep, check=config.scale_check,
+                                           say=say),
     }
     for name in SECTIONS:
         if name in config.sections:
@@ -161,8 +175,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="onnxruntime intra-op and torch threads of the CPU runners (default 2; the twin uses 1)")
     parser.add_argument("--reps", type=int, default=None,
                         help="interleaved rounds of every comparison (default by mode)")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all)")
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all but scale)")
+    scale = parser.add_argument_group("scale section (--sections scale)")
+    scale.add_argument("--scale-sizes", default="1b",
+                       help="comma-separated model sizes: 1b (Llama-3.2-1B shape), 8b (Llama-3.1-8B shape, 16 GB of "
+                            "weights: run on a quiet machine), 2gb (the smallest > 2 GB case) (default 1b)")
+    scale.add_argument("--scale-dir", default=None,
+                       help="folder for the model files (default OUT/scale-work; needs about 3x the weights free)")
+    scale.add_argument("--scale-keep", action="store_true", help="keep the exported and lowered files")
+    scale.add_argument("--scale-check", action="store_true",
+                       help="also run rope-export check at real size (once rope_export.bench.scale.CHECK_COMMAND "
+                            "is set)")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"folder for bench.json, bench.md, bench.png (default {DEFAULT_OUT})")
     parser.add_argument("--plot", default=None, metavar="PNG",
@@ -186,6 +210,9 @@ def run_cli(args) -> int:
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
     config = BenchConfig.for_mode(mode, args.threads, args.reps, sections)
+    config.scale_sizes = tuple(s.strip() for s in args.scale_sizes.split(",") if s.strip())
+    config.scale_dir = args.scale_dir or str(Path(args.out) / "scale-work")
+    config.scale_keep, config.scale_check = args.scale_keep, args.scale_check
     console = Console()
     if not console.is_terminal:  # a log or a pipe: wide enough for the tables, not rich's 80 columns
         console = Console(width=160)

@@ -72,6 +72,10 @@ def goals(results: dict) -> list[dict]:
                     "measured": f"{s['vector_kernels_with_128bit_loads_and_stores']}/{s['vector_kernels']}",
                     "unit": "kernels",
                     "met": s["vector_kernels_with_128bit_loads_and_stores"] == s["vector_kernels"] > 0})
+    if "sizes" in results.get("sections", {}).get("scale", {}):
+        from rope_export.bench.scale import goals as scale_goals
+
+        out += scale_goals(results["sections"]["scale"])
     return out
 
 
@@ -186,6 +190,15 @@ def print_report(results: dict, console) -> None:
         console.print(f"   SASS: {kernels['sass']}", highlight=False)
     elif kernels:
         console.print(f"[yellow]5. kernel report skipped[/yellow]: {kernels.get('reason')}", highlight=False)
+
+    scale = sections.get("scale")
+    if scale and "sizes" in scale:
+        from rope_export.bench.scale_report import print_section
+
+        print_section(scale, console)
+    elif scale:
+        console.print(f"[yellow]6. scale section {scale.get('status')}[/yellow]: {scale.get('reason')}",
+                      highlight=False)
 
     t = Table(title="Goals (reported, not asserted)")
     for col in ("goal", "where", "measured", "met"):
@@ -317,6 +330,10 @@ def report_markdown(results: dict) -> str:
                     f"{max(r['shared_bytes'] for r in rows)} | {loads} | {stores} | "
                     f"{'yes' if ok else ('no (scalar path)' if not vector else 'NO')} |")
             lines.append("")
+    if "sizes" in s.get("scale", {}):
+        from rope_export.bench.scale_report import markdown
+
+        lines += markdown(s["scale"])
     lines += ["## Goals (reported, not asserted)", "", "| goal | where | measured | met |", "|---|---|---|---|"]
     for g in results["goals"]:
         lines.append(f"| {g['goal']} | {g['where']} | {_goal_measured(g)} | {'yes' if g['met'] else 'no'} |")
@@ -388,6 +405,11 @@ def write_outputs(results: dict, out_dir: str | os.PathLike, plot_path: str | os
     atomic_write_text(written[0], json.dumps(results, indent=2) + "\n")
     atomic_write_text(written[1], report_markdown(results))
     png = Path(plot_path) if plot_path else out / "bench.png"
-    if plot(results, png):
+    if set(results["sections"]) - {"scale"} and plot(results, png):
         written.append(png)
+    if "sizes" in results["sections"].get("scale", {}):
+        from rope_export.bench.scale_report import plot as plot_scale
+
+        if plot_scale(results["sections"]["scale"], out / "scale.png"):
+            written.append(out / "scale.png")
     return written

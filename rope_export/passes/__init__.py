@@ -11,7 +11,7 @@ Each graph rule is a class with ``pattern``, ``check`` and ``rewrite`` in its ow
 
 from rope_export.passes._fusing import FusionReport, SiteRecord
 from rope_export.passes._lowering import LoweringLog
-from rope_export.passes._model import PassError, check_model, load_model, save_model
+from rope_export.passes._model import PassError, check_model, load_ir, load_model, save_model
 from rope_export.passes.fusion import fuse
 from rope_export.passes.lowering import TARGETS, lower
 
@@ -24,6 +24,7 @@ __all__ = [
     "check_model",
     "fuse",
     "load_model",
+    "load_ir",
     "lower",
     "save_model",
 ]

@@ -1,19 +1,23 @@
-"""Model plumbing shared by the passes: accepted input kinds, opset imports, load and atomic save."""
+"""Model plumbing shared by the passes: accepted input kinds, opset imports, load and atomic save.
+
+Files are read with ``onnx_files.load``: external weights stay on disk as lazy tensors, which the
+rewrite rules never read (only small constants: slice bounds, cos/sin tables), and are streamed
+from the input's data file to the output's when saving. So a pass over a 16 GB model holds the
+graph in memory, not the weights.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
-from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 import rope_export.onnx_op  # noqa: F401 - registers the rope_export schema (checker, shape inference)
+from rope_export import onnx_files
 from rope_export.contract import DOMAIN
-from rope_export.fileio import atomic_path, atomic_write_bytes
 
 
 class PassError(ValueError):
@@ -24,13 +28,17 @@ ModelLike = "onnx.ModelProto | ir.Model | str | os.PathLike"
 
 
 def to_ir(model) -> tuple[ir.Model, str]:
-    """(an ir.Model the caller may modify, the kind to hand back: "proto", "ir" or "path")."""
+    """(an ir.Model the caller may modify, the kind to hand back: "proto" or "ir").
+
+    A path is loaded lazily (weights stay on disk) and handed back as an ir.Model: turning a
+    large model into one ModelProto would pull every weight into memory.
+    """
     if isinstance(model, ir.Model):
         return model, "ir"
     if isinstance(model, onnx.ModelProto):
         return ir.from_proto(model), "proto"
     if isinstance(model, (str, os.PathLike)):
-        return ir.from_proto(load_model(model)), "proto"
+        return load_ir(model), "ir"
     raise TypeError(
         f"expected an onnx.ModelProto, an onnx_ir.Model or a path to a .onnx file, got {type(model).__name__}"
     )
@@ -40,35 +48,29 @@ def from_ir(model: ir.Model, kind: str):
     return model if kind == "ir" else ir.to_proto(model)
 
 
-def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such ONNX file")
+def load_ir(path: str | os.PathLike) -> ir.Model:
+    """The model at ``path`` with its external weights left on disk; PassError naming the file if unusable."""
     try:
-        return onnx.load(str(path))
-    except Exception as exc:  # noqa: BLE001 - protobuf raises several types
-        raise PassError(f"{path}: not a readable ONNX file ({exc}); check that it is a .onnx model") from None
+        return onnx_files.load(path)
+    except onnx_files.OnnxFileError as exc:
+        raise PassError(str(exc)) from None
 
 
-_TWO_GB = 2**31 - 2**20
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """The model at ``path`` as one ModelProto, weights included (small models; use ``load_ir`` for large ones)."""
+    model = load_ir(path)
+    if onnx_files.weight_bytes(model) >= onnx_files.EXTERNAL_DATA_THRESHOLD:
+        raise PassError(f"{path} has more than 2 GB of weights, too many for one ModelProto; load it with "
+                        "rope_export.passes.load_ir (weights stay on disk) or pass the path to lower/fuse")
+    return ir.to_proto(onnx_files.load_to_memory(model))
 
 
-def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike) -> None:
-    """Write atomically. Above protobuf's 2 GB limit the tensors go to ``<name>.data`` beside it
-    (that data file is renamed into place just before the model file)."""
-    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
-    path = Path(path)
-    if proto.ByteSize() < _TWO_GB:
-        atomic_write_bytes(path, proto.SerializeToString())
-        return
-    data_name = path.name + ".data"
-    parent = path.parent if str(path.parent) else Path(".")
-    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{path.name}.") as tmp:
-        tmp_model = Path(tmp) / path.name
-        onnx.save_model(proto, str(tmp_model), save_as_external_data=True, location=data_name)
-        with atomic_path(path) as final_tmp:
-            os.replace(Path(tmp) / data_name, parent / data_name)
-            os.replace(tmp_model, final_tmp)
+def save_model(model: onnx.ModelProto | ir.Model, path: str | os.PathLike, external: str = "auto",
+               progress=None) -> onnx_files.Written:
+    """Write atomically (``onnx_files.write``): past protobuf's 2 GB limit the weights go to
+    ``<name>.data`` beside it, streamed from wherever they are (memory or the input's data file);
+    the data lands before the model that names it, and an old pair is never half replaced."""
+    return onnx_files.write(model, path, external=external, progress=progress)
 
 
 def onnx_opset(model: ir.Model) -> int | None:
@@ -170,7 +172,11 @@ def remove_unused(model: ir.Model) -> None:
     common_passes.RemoveUnusedNodesPass()(model)
 
 
-def check_model(model: onnx.ModelProto | ir.Model, full_check: bool = True) -> None:
-    """onnx.checker on the result; raises onnx.checker.ValidationError."""
+def check_model(model: onnx.ModelProto | ir.Model | str | os.PathLike, full_check: bool = True) -> None:
+    """onnx.checker on a model in memory or, for a path, on the file (external weights stay on disk);
+    raises onnx.checker.ValidationError."""
+    if isinstance(model, (str, os.PathLike)):
+        onnx.checker.check_model(str(model), full_check=full_check)
+        return
     proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
     onnx.checker.check_model(proto, full_check=full_check)

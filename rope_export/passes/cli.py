@@ -6,6 +6,7 @@ import sys
 
 
 def register(subparsers) -> None:
+    from rope_export.export import add_output_arguments
     from rope_export.passes.lowering import TARGET_HELP, TARGETS
 
     lower = subparsers.add_parser(
@@ -24,6 +25,7 @@ def register(subparsers) -> None:
         "caches (faster; positions outside [0, max_pos), or a sequence longer than the cache, then make "
         "onnxruntime CPU fail instead of passing the token through)",
     )
+    add_output_arguments(lower)
     lower.set_defaults(func=_run_lower)
 
     fuse = subparsers.add_parser(
@@ -41,30 +43,59 @@ def register(subparsers) -> None:
         help="also rename ai.onnx RotaryEmbedding-23 nodes (torch.onnx's dynamo exporter makes them at opset >= 23) "
         "to rope_export::RotaryEmbedding; same semantics, out-of-range positions then pass through",
     )
+    add_output_arguments(fuse)
     fuse.set_defaults(func=_run_fuse)
 
 
-def _check(model, console) -> None:
+def _check(path, console) -> None:
+    """onnx.checker's full check on the written file (weights stay on disk); a failure is a warning."""
     import onnx
 
     from rope_export.passes._model import check_model
 
     try:
-        check_model(model, full_check=True)
+        check_model(path, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         console.print(f"[yellow]warning:[/yellow] onnx.checker: {str(exc).splitlines()[0]}")
 
 
-def _run_lower(args) -> int:
+def _run_pass(args, title: str, apply) -> tuple:
+    """Load IN lazily, apply the pass, write OUT (weights streamed) and check it, as timed steps.
+
+    ``apply(model, steps)`` returns the changed model. The output folder is checked first, so a
+    missing or read-only folder is reported before any work."""
     from rich.console import Console
 
-    from rope_export.passes import LoweringLog, load_model, lower, save_model
+    from rope_export.export import output_files
+    from rope_export.fileio import check_writable
+    from rope_export.passes import PassError, load_ir, save_model
+    from rope_export.steps import cli_steps
 
-    console = Console(stderr=False)
+    try:
+        check_writable(args.output)
+    except OSError as exc:
+        raise PassError(str(exc)) from None
+    console = Console()
+    with cli_steps(console, title, args.summary_json) as steps:
+        steps(f"loading {args.input} (the graph; weights stay on disk)")
+        model = apply(load_ir(args.input), steps)
+        save_model(model, args.output, external=args.external_data, progress=steps)
+        steps(f"checking {args.output} (onnx.checker, full check, on the file)")
+        _check(args.output, console)
+        steps.add_files(output_files(args.output))
+    return console, model
+
+
+def _run_lower(args) -> int:
+    from rope_export.passes import LoweringLog, lower
+
     log = LoweringLog()
-    model = lower(load_model(args.input), args.target, guard_positions=not args.trust_positions, log=log)
-    _check(model, console)
-    save_model(model, args.output)
+
+    def apply(model, steps):
+        steps(f"lowering the RotaryEmbedding nodes to {args.target}")
+        return lower(model, args.target, guard_positions=not args.trust_positions, log=log)
+
+    console, _ = _run_pass(args, f"rope-export lower: {args.output}", apply)
     console.print(f"lowered {len(log.lowered)} RotaryEmbedding node(s) to {args.target}: {args.output}")
     for note in log.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
@@ -72,16 +103,17 @@ def _run_lower(args) -> int:
 
 
 def _run_fuse(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
-    from rope_export.passes import FusionReport, fuse, load_model, save_model
+    from rope_export.passes import FusionReport, fuse
 
-    console = Console()
     report = FusionReport()
-    model = fuse(load_model(args.input), report=report, adopt_standard=args.adopt_standard)
-    _check(model, console)
-    save_model(model, args.output)
+
+    def apply(model, steps):
+        steps("finding and fusing decomposed RoPE")
+        return fuse(model, report=report, adopt_standard=args.adopt_standard)
+
+    console, _ = _run_pass(args, f"rope-export fuse: {args.output}", apply)
     table = Table(title=f"rope-export fuse: {args.input}")
     for column in ("site", "status", "form", "detail"):
         table.add_column(column)

@@ -1,0 +1,118 @@
+"""The scale section as a rich table, Markdown and a PNG (time and peak RSS per step, ours beside plain)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+from rope_export.plotting import pyplot_or_none, save_png
+from rope_export.steps import gb
+
+PLAIN, OURS = "plain export", "export --hf"
+
+
+def _rows(size: dict) -> list[tuple[str, str, str, str, str]]:
+    """(step, wall time, peak RSS, RSS over the weights, note) per measured step, in run order."""
+    weights = size["weight_bytes"]
+    rows = []
+    for s in size["steps"]:
+        if s["step"] == "warm-up":
+            continue
+        if "skipped" in s:
+            rows.append((s["step"], "-", "-", "-", f"skipped: {s['skipped']}"))
+            continue
+        data = sum(f["bytes"] for f in s.get("files", []))
+        note = s.get("note", "") or (f"wrote {gb(data)}" if data else "")
+        rows.append((s["step"], f"{s['seconds']:.1f} s", gb(s["peak_rss"]), f"{s['peak_rss'] / weights:.2f}x", note))
+    return rows
+
+
+def _title(size: dict) -> str:
+    return (f"{size['size']}: {size['shape']}, {size['dtype']}, {size['parameters'] / 1e9:.2f} B parameters, "
+            f"{gb(size['weight_bytes'])} of weights")
+
+
+def _ratio_line(size: dict) -> str:
+    q = size["ratios"]
+    return (f"export --hf against the plain export: peak RSS {q['export_peak_rss_over_plain']:.2f}x, wall time "
+            f"{q['export_time_over_plain']:.2f}x; peak RSS over the weights: ours "
+            f"{q['export_peak_rss_over_weights']:.2f}x, plain {q['plain_peak_rss_over_weights']:.2f}x "
+            f"({q['repetitions']} run(s) each, medians)")
+
+
+def _inner(size: dict) -> list[tuple[str, str, str, str]]:
+    """(export, inner step, time, peak RSS) from the two exports' own step logs."""
+    out = []
+    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS)):
+        for s in size.get(key, []):
+            out.append((label, s["name"], f"{s['seconds']:.1f} s", gb(s["peak_rss"])))
+    return out
+
+
+def print_section(section: dict, console) -> None:
+    from rich.table import Table
+
+    for size in section["sizes"]:
+        if size.get("status") != "measured":
+            console.print(f"[yellow]6. scale {size['size']} {size.get('status')}[/yellow]: {size.get('reason')}",
+                          highlight=False)
+            continue
+        t = Table(title=f"6. {section['title']}: {_title(size)}")
+        for col in ("step", "wall time", "peak RSS", "RSS / weights", "note"):
+            t.add_column(col, justify="left" if col in ("step", "note") else "right")
+        for row in _rows(size):
+            t.add_row(*row)
+        console.print(t)
+        console.print("   " + _ratio_line(size), highlight=False)
+        inner = Table(title=f"6. inside the two exports ({size['size']}): each export's own steps, RSS sampled")
+        for col in ("export", "step", "time", "peak RSS"):
+            inner.add_column(col)
+        for row in _inner(size):
+            inner.add_row(*row)
+        console.print(inner)
+
+
+def markdown(section: dict) -> list[str]:
+    lines = [f"## 6. Scale: {section['title']}", ""]
+    for size in section["sizes"]:
+        if size.get("status") != "measured":
+            lines += [f"{size['size']}: {size.get('status')}: {size.get('reason')}", ""]
+            continue
+        lines += [f"### {_title(size)}", "", "| step | wall time | peak RSS | RSS / weights | note |",
+                  "|---|---:|---:|---:|---|"]
+        lines += [f"| {' | '.join(row)} |" for row in _rows(size)]
+        lines += ["", _ratio_line(size), "", "| export | step | time | peak RSS |", "|---|---|---:|---:|"]
+        lines += [f"| {' | '.join(row)} |" for row in _inner(size)]
+        lines.append("")
+    return lines
+
+
+def plot(section: dict, path: str | os.PathLike) -> bool:
+    """Wall time and peak RSS per step, one row of panels per size; False without matplotlib or data."""
+    plt = pyplot_or_none()
+    sizes = [s for s in section["sizes"] if s.get("status") == "measured"]
+    if plt is None or not sizes:
+        return False
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(14, 4.5 * len(sizes)), dpi=100, squeeze=False)
+    for row, size in zip(axes, sizes, strict=True):
+        steps = [s for s in size["steps"] if "seconds" in s and s["step"] != "warm-up"]
+        names = list(dict.fromkeys(s["step"] for s in steps))
+        colors = ["tab:gray" if n == PLAIN else "tab:blue" if n == OURS else "tab:green" for n in names]
+        seconds = [statistics.median(s["seconds"] for s in steps if s["step"] == n) for n in names]
+        peaks = [statistics.median(s["peak_rss"] for s in steps if s["step"] == n) / 1e9 for n in names]
+        row[0].bar(names, seconds, color=colors)
+        row[0].set_ylabel("wall time (s, median of runs)")
+        row[1].bar(names, peaks, color=colors)
+        row[1].axhline(size["weight_bytes"] / 1e9, color="black", linestyle="--", linewidth=1, label="weight bytes")
+        row[1].axhline(1.3 * size["weight_bytes"] / 1e9, color="red", linestyle=":", linewidth=1, label="1.3x weights")
+        row[1].set_ylabel("peak RSS (GB)")
+        row[1].legend(fontsize=8)
+        for ax in row:
+            ax.set_title(_title(size), fontsize=9)
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+            ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("rope-export scale benchmark: each step in its own process (gray: plain torch.onnx.export)",
+                 fontsize=11)
+    fig.tight_layout()
+    save_png(fig, path)
+    return True

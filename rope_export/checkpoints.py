@@ -1,0 +1,315 @@
+"""Build transformers models with their weights in memory once, in the requested dtype.
+
+``build_causal_lm(auto_class, config, dtype, weights=DIR or None, seed=...)``:
+
+* The model is constructed with its parameters on the meta device (no memory; buffers such as
+  the rotary ``inv_freq`` are computed for real), then every parameter is allocated once, in
+  ``dtype``, with tied parameters kept tied. ``from_config`` instead allocates an untied
+  ``lm_head`` that tying then drops: half a gigabyte of transient memory for a 1B Llama.
+* Random weights (no ``weights``): transformers' own ``init_weights`` under ``seed``.
+* A checkpoint folder as ``save_pretrained`` writes it (``model.safetensors``, or shards listed in
+  ``model.safetensors.index.json``) is read tensor by tensor straight into the parameters: a
+  tensor stored in ``dtype`` is read into the parameter's memory, another dtype (bf16 weights
+  exported as fp16, or fp32 ones) is converted in chunks of ``CHUNK_BYTES``. Nothing goes through
+  float32, no tensor exists twice, and plain reads (not a memory map) keep the page cache out of
+  the process's RSS. A checkpoint whose names or shapes do not match the model one to one
+  (renamed keys, fused experts, quantized weights) is loaded by transformers' ``from_pretrained``
+  instead, and ``LoadReport.loader`` says so.
+
+transformers is imported by the caller (``rope_export.hf``); this module needs only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rope_export.bounds import check_allocation
+from rope_export.steps import detail, gb
+
+CHUNK_BYTES = 64 * 2**20  # conversion buffer for a tensor stored in another dtype
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read; the message names the file and the fix."""
+
+
+@dataclass
+class LoadReport:
+    """How the weights came in: ``loader`` is "random", "safetensors" (ours) or "transformers"."""
+
+    loader: str
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes_read: int = 0
+    converted: dict[str, int] = field(default_factory=dict)  # "bf16->fp16": tensors converted
+    reason: str = ""  # why transformers' loader was used
+
+
+# -- construction without the weights ----------------------------------------------------
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside the block, every parameter a module registers is moved to the meta device (buffers stay real)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param) -> None:
+        original(module, name, param)
+        param = module._parameters.get(name)
+        if param is not None and param.device.type != "meta":
+            kwargs = dict(param.__dict__)
+            kwargs["requires_grad"] = param.requires_grad
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype inside the block (transformers builds and initializes under it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else old)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def materialize(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Allocate every meta parameter on the CPU (uninitialized), tied ones once; returns bytes allocated.
+
+    ``dtype``: for floating-point parameters (others keep theirs)."""
+    made: dict[int, nn.Parameter] = {}
+    total = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            if id(param) not in made:
+                kind = dtype if dtype is not None and param.dtype.is_floating_point else param.dtype
+                made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=kind), requires_grad=param.requires_grad)
+                total += made[id(param)].nbytes
+            module._parameters[name] = made[id(param)]
+    return total
+
+
+def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os.PathLike | None = None,
+                    seed: int = 0, attn_implementation: str = "eager",
+                    progress: Callable[[str], None] | None = None) -> tuple[nn.Module, LoadReport]:
+    """``auto_class``'s model of ``config`` in ``dtype``: random (``seed``) or from the folder ``weights``."""
+    if weights is not None:
+        plan = _checkpoint_plan(Path(weights))
+    with parameters_on_meta():
+        model = auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    # Sized while the parameters are still on meta: a vocab_size of 1e10 is refused before anything is allocated.
+    check_allocation(f"the {config.model_type} model",
+                     {"parameters and buffers": sum(t.numel() * t.element_size()
+                                                    for t in (*model.parameters(), *model.buffers()))},
+                     "check the config's sizes (vocab_size, hidden_size, num_hidden_layers, ...)")
+    if weights is None:
+        allocated = materialize(model, dtype)
+        detail(progress, f"initializing {gb(allocated)} of random weights")
+        for part in (*model.modules(), *model.parameters()):  # from_config marked them done while on meta
+            part.__dict__.pop("_is_hf_initialized", None)
+        torch.manual_seed(seed)
+        with default_dtype(dtype):  # as from_config: buffers such as GPT-J's sin/cos table come out the same
+            model.init_weights()  # transformers' own initialization; also recomputes rotary buffers, re-ties
+        return model.eval(), LoadReport("random")
+    mismatch = _mismatch(model, plan)
+    if mismatch:
+        del model
+        detail(progress, f"loading with transformers' from_pretrained ({mismatch})")
+        model = auto_class.from_pretrained(str(weights), config=config, local_files_only=True,
+                                           attn_implementation=attn_implementation, dtype=dtype)
+        return model.eval(), LoadReport("transformers", reason=mismatch)
+    materialize(model, dtype)
+    report = load_safetensors(model, plan, progress)
+    return model.eval(), report
+
+
+# -- safetensors --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset in the file
+    length: int
+
+
+def read_header(path: Path) -> dict[str, _Entry]:
+    """The tensors of one .safetensors file: name -> dtype, shape and byte range (nothing else is read)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 * 2**20:
+                raise ValueError(f"header of {size:,} bytes")
+            header = json.loads(f.read(size))
+        file_size = path.stat().st_size
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-save it with save_pretrained") \
+            from None
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info.get("dtype") not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which rope-export cannot "
+                                  f"read; supported: {', '.join(SAFETENSORS_DTYPES)}")
+        begin, end = info["data_offsets"]
+        entry = _Entry(path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + begin, end - begin)
+        expected = entry.dtype.itemsize * _numel(entry.shape)
+        if entry.length != expected or entry.start + entry.length > file_size:
+            raise CheckpointError(f"{path}: tensor {name!r} claims {entry.length:,} bytes at {entry.start:,} but needs "
+                                  f"{expected:,} in a {file_size:,}-byte file; the file is truncated or corrupt")
+        entries[name] = entry
+    return entries
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _checkpoint_plan(folder: Path) -> dict[str, _Entry]:
+    """Every tensor of the checkpoint folder (sharded or not), by name."""
+    if not folder.is_dir():
+        raise CheckpointError(f"--weights {folder}: not a folder (give the folder with the *.safetensors files)")
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc}); re-save with save_pretrained") from None
+        files = sorted(set(weight_map.values()))
+    elif (folder / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        found = sorted(p.name for p in folder.iterdir())[:8]
+        raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE} (found: "
+                              f"{', '.join(found) or 'nothing'}); save the model with save_pretrained (safetensors is "
+                              "its default)")
+    plan: dict[str, _Entry] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{index} lists {name}, which is missing from {folder}")
+        plan.update(read_header(path))
+    return plan
+
+
+def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (tied ones under each name) and persistent buffers, by state-dict name."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                targets[f"{module_name}.{name}" if module_name else name] = buffer
+    return targets
+
+
+def _mismatch(model: nn.Module, plan: dict[str, _Entry]) -> str:
+    """Why the checkpoint cannot be read name by name into this model ("" if it can)."""
+    targets = _targets(model)
+    unknown = sorted(set(plan) - set(targets))
+    if unknown:
+        return f"{len(unknown)} checkpoint tensor(s) the model does not have by that name, e.g. {unknown[0]!r}"
+    for name, entry in plan.items():
+        if tuple(targets[name].shape) != entry.shape:
+            return f"{name!r} is {list(entry.shape)} in the checkpoint, {list(targets[name].shape)} in the model"
+    loaded = {id(targets[name]) for name in plan}
+    missing = sorted(name for name, t in model.named_parameters(remove_duplicate=False) if id(t) not in loaded)
+    if missing:
+        return f"{len(missing)} parameter(s) missing from the checkpoint, e.g. {missing[0]!r}"
+    return ""
+
+
+def load_safetensors(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLike,
+                     progress: Callable[[str], None] | None = None) -> LoadReport:
+    """Read the checkpoint's tensors into ``model``'s allocated parameters and buffers, in their dtypes."""
+    if not isinstance(plan, dict):
+        plan = _checkpoint_plan(Path(plan))
+    targets = _targets(model)
+    report = LoadReport("safetensors", files=sorted({str(e.file) for e in plan.values()}))
+    total = sum(e.length for e in plan.values())
+    buffer = bytearray()
+    by_file: dict[Path, list[tuple[str, _Entry]]] = {}
+    for name, entry in plan.items():
+        by_file.setdefault(entry.file, []).append((name, entry))
+    for path, entries in by_file.items():
+        with open(path, "rb", buffering=0) as f:
+            for name, entry in sorted(entries, key=lambda item: item[1].start):
+                target = targets[name]
+                with torch.no_grad():
+                    if target.dtype == entry.dtype:
+                        _read_into(f, entry.start, _bytes_of(target), path)
+                    else:
+                        buffer = _read_converted(f, entry, target, buffer, path)
+                        key = f"{_short(entry.dtype)}->{_short(target.dtype)}"
+                        report.converted[key] = report.converted.get(key, 0) + 1
+                report.tensors += 1
+                report.bytes_read += entry.length
+                detail(progress, f"loading weights: {report.tensors} of {len(plan)} tensors, "
+                                 f"{gb(report.bytes_read)} of {gb(total)}")
+    return report
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).split(".")[-1])
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor's memory."""
+    if not tensor.is_contiguous():
+        raise CheckpointError("internal: a parameter is not contiguous")
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_into(f, offset: int, view: memoryview, path: Path) -> None:
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise CheckpointError(f"{path} ended early (read {done:,} of {len(view):,} bytes of a tensor); "
+                                  "the file is truncated")
+        done += n
+
+
+def _read_converted(f, entry: _Entry, target: torch.Tensor, buffer: bytearray, path: Path) -> bytearray:
+    """Read ``entry`` in chunks and convert each into ``target``'s dtype; returns the (reused) buffer."""
+    item = entry.dtype.itemsize
+    per_chunk = max(1, CHUNK_BYTES // item)
+    if len(buffer) < min(entry.length, per_chunk * item):
+        buffer = bytearray(min(entry.length, per_chunk * item))
+    flat = target.detach().reshape(-1)
+    numel = _numel(entry.shape)
+    for first in range(0, numel, per_chunk):
+        count = min(per_chunk, numel - first)
+        view = memoryview(buffer)[: count * item]
+        _read_into(f, entry.start + first * item, view, path)
+        flat[first:first + count].copy_(torch.frombuffer(view, dtype=entry.dtype, count=count))
+    return buffer
