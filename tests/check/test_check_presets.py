@@ -1,4 +1,4 @@
-"""rope-export check: passes on every correct lowering, fails by name on broken files, writes reports."""
+"""check on preset exports: passes on every correct lowering, fails by name on broken files, writes reports."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_every_correct_lowering_passes(target):
     assert ran, "no runner ran"
     assert report.passed, report.failure_message()
     for r in ran:
-        assert set(r.cases) >= {"prefill", "long-sequence", "large-magnitude", "decode-end-of-cache"}
+        assert set(r.cases) >= {"prefill", "long-sequence", "large-magnitude", "decode-end-of-positions",
+                                "past-end-of-positions"}
         assert r.max_abs is not None and r.max_abs < 1e-3
 
 
@@ -97,10 +98,10 @@ def test_reports_are_written_and_readable(tmp_path):
     assert image[..., :3].std() > 0.05
 
 
-def test_position_buckets_take_the_max_per_bucket():
-    points = [(0, 1.0), (1, 3.0), (6, 2.0), (7, 5.0)]
-    buckets = position_buckets(points, buckets=2)
-    assert buckets == [{"from": 0, "to": 3, "max_abs": 3.0}, {"from": 4, "to": 7, "max_abs": 5.0}]
+def test_position_buckets_are_powers_of_two_and_take_the_max():
+    points = [(0, 1.0), (1, 3.0), (2, 2.0), (3, 5.0), (70000, 0.25), (131071, 0.5), (-1, 7.0)]
+    assert [(b["label"], b["tokens"], b["max_abs"]) for b in position_buckets(points)] == [
+        ("< 0", 1, 7.0), ("0", 1, 1.0), ("1", 1, 3.0), ("2-3", 2, 5.0), ("65536-131071", 2, 0.5)]
 
 
 def test_check_rejects_what_it_cannot_check(tmp_path):
@@ -108,10 +109,14 @@ def test_check_rejects_what_it_cannot_check(tmp_path):
         check(custom_model(), ("gpu",))
     with pytest.raises(CheckError, match="no such file"):
         check(tmp_path / "missing.onnx")
+
+
+def test_without_metadata_the_runners_are_compared_with_onnx_reference():
     bare = custom_model()
     del bare.metadata_props[:]
-    with pytest.raises(ValueError, match="no rope_export metadata"):
-        check(bare)
+    report = check(bare, ("onnx-reference", "cpu-twin", "onnxruntime-cpu"))
+    assert report.passed and not report.independent and report.against == "onnx-reference"
+    assert [r.status for r in report.runners] == ["golden", "pass", "pass"]
 
 
 def test_cli_check_passes_and_writes_report(tmp_path, capsys):
