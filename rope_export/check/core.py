@@ -166,7 +166,7 @@ def check(
     return CheckReport(
         model=mf.label, reference=ref.label, against=_short(ref), independent=ref.independent, dtype=dtype,
         tolerance=tol, runners=reports, tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
-        preset=preset.preset.name if preset else "")
+        preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]))
 
 
 def _short(ref) -> str:

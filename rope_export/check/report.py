@@ -52,6 +52,7 @@ class CheckReport:
     cases: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     preset: str = ""
+    sweep_tolerance: Tolerance | None = None  # the op tolerance the rotary nodes alone are held to
 
     @property
     def compared(self) -> list[RunnerReport]:
@@ -140,7 +141,7 @@ def report_markdown(report: CheckReport) -> str:
         worst = max(((c, s) for c, stats in r.cases.items() for s in stats), key=lambda cs: cs[1].max_abs,
                     default=None)
         sweep = "" if r.sweep is None else f"{r.sweep.status}" + (
-            f", {r.sweep.positions} positions, max {r.sweep.max_abs:.3g}" if r.sweep.positions else "")
+            f", {r.sweep.positions} positions, max {_cell(r.sweep.max_abs)}" if r.sweep.positions else "")
         lines.append(f"| {r.runner} | {r.status} | {_cell(r.max_abs)} | "
                      f"{'' if worst is None else f'{worst[0]}/{worst[1].output}'} | {sweep} | "
                      f"{_cell(r.latency_ms, '{:.2f} ms')} | {r.reason} |")
@@ -168,26 +169,29 @@ def plot_error_vs_position(report: CheckReport, path: str | os.PathLike) -> bool
     plt = pyplot_or_none()
     if plt is None:
         return False
-    panels = [("whole model on the stress cases", [(r, r.position_error) for r in report.runners]),
-              ("each rotary node alone, every position", [(r, r.sweep.position_error) for r in report.runners
-                                                          if r.sweep is not None])]
-    panels = [(t, [(r, e) for r, e in series if e.worst]) for t, series in panels]
-    panels = [p for p in panels if p[1]] or panels[:1]
+    sweep_tol = report.sweep_tolerance or report.tolerance
+    panels = [("whole model on the stress cases", report.tolerance, f"max |runner - {report.against}|",
+               [(r, r.position_error) for r in report.runners]),
+              ("each rotary node alone, every position", sweep_tol, "max |runner - expected rotation|",
+               [(r, r.sweep.position_error) for r in report.runners if r.sweep is not None])]
+    panels = [(t, tol, label, [(r, e) for r, e in series if e.worst]) for t, tol, label, series in panels]
+    panels = [p for p in panels if p[3]] or panels[:1]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.6 * len(panels)), dpi=110, squeeze=False)
-    for ax, (title, series) in zip(axes[:, 0], panels, strict=True):
+    styles = ["o-", "s--", "^-.", "D:", "v-"]  # runners that agree exactly stay visible on top of each other
+    for ax, (title, tol, ylabel, series) in zip(axes[:, 0], panels, strict=True):
         buckets = sorted({b for _, e in series for b in e.worst})
         index = {b: i for i, b in enumerate(buckets)}
-        for r, errors in series:
+        for k, (r, errors) in enumerate(series):
             xs = [index[b] for b in sorted(errors.worst)]
             ys = [max(errors.worst[b], 1e-12) for b in sorted(errors.worst)]  # log axis: exact zeros at the floor
-            ax.plot(xs, ys, marker="o", linewidth=1.2, label=f"{r.runner} ({r.status})")
-        ax.axhline(report.tolerance.atol, color="gray", linestyle="--", linewidth=1,
-                   label=f"atol {report.tolerance.atol:g}")
+            ax.plot(xs, ys, styles[k % len(styles)], linewidth=1.2, markersize=9 - 1.5 * k, alpha=0.85,
+                    label=f"{r.runner} ({r.status if 'whole' in title else r.sweep.status})")
+        ax.axhline(tol.atol, color="gray", linestyle="--", linewidth=1, label=f"atol {tol.atol:g}")
         ax.set_yscale("log")
         ax.set_xticks(range(len(buckets)))
         ax.set_xticklabels([bucket_label(b) for b in buckets], rotation=45, ha="right", fontsize=7)
         ax.set_xlabel("position (power-of-two buckets)")
-        ax.set_ylabel(f"max |runner - {report.against}|")
+        ax.set_ylabel(ylabel, fontsize=8)
         ax.set_title(f"{title} ({report.dtype}); exact 0 drawn at 1e-12", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="best")

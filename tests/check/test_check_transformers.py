@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from check_files import FAMILIES, RUNNERS_FOR, TAMPERING, TARGETS, hf_file, hf_model  # noqa: E402
+from check_files import FAMILIES, RUNNERS_FOR, TAMPERING, TARGETS, copy, hf_file, hf_model  # noqa: E402
 
 from rope_export import cli  # noqa: E402
 from rope_export.check import check  # noqa: E402
@@ -68,7 +68,7 @@ def test_missing_transformers_config_is_one_line_exit_2(tmp_path, capsys):
 
 def test_config_given_with_hf_checks_a_file_without_metadata(tmp_path):
     model = hf_model("qwen2")
-    stripped = hf_file("qwen2").__deepcopy__()
+    stripped = copy(hf_file("qwen2"))
     del stripped.metadata_props[:]
     (tmp_path / "config.json").write_text(json.dumps(json.loads(model.config.to_json_string())))
     report = check(stripped, ("onnxruntime-cpu",), hf_config=tmp_path, seed=0)
