@@ -311,10 +311,15 @@ def _run_sweep(sl, golden: _Golden, chunks, runners: dict, results: dict[str, Sw
         for positions in chunks:
             feeds = _slice_feeds(sl, positions, rng)
             x = feeds[sl.x.name]
-            if golden.kind == "runner":
-                want = _per_token(golden.runner.infer(feeds)[output], rank)
-            else:
-                want = _rotate(golden, sl, x, positions[None, :])
+            try:
+                if golden.kind == "runner":
+                    want = _per_token(golden.runner.infer(feeds)[output], rank)
+                else:
+                    want = _rotate(golden, sl, x, positions[None, :])
+            except Exception as exc:  # noqa: BLE001 - e.g. a configuration whose width does not fit the node
+                for name in active:
+                    results[name].fail(f"{sl.label}: no expected rotation for it ({first_line(exc)})")
+                return
             x_max = np.abs(_per_token(x, rank)).max(axis=1)
             allowed_slack = x_max * (golden.slack + golden.slack_per_position * np.maximum(positions, 0))
             for name, runner in list(active.items()):

@@ -70,11 +70,19 @@ def check(
     say(f"opening {model if not isinstance(model, onnx.ModelProto) else 'the model'}")
     mf = ModelFile.open(model)
     source = file_source(mf)
-    preset = read_preset_info(mf, limit) if source == "preset" and reference is None and hf_config is None else None
-    hf_info = read_hf_info(mf, limit) if source == "transformers" and reference is None else None
+    preset = hf_info = None
+    metadata_notes = []
+    try:  # the RoPE configuration and sizes the file records, also used when another reference is named
+        preset = read_preset_info(mf, limit) if source == "preset" else None
+        hf_info = read_hf_info(mf, limit) if source == "transformers" else None
+    except CheckError as exc:
+        if reference is None and hf_config is None:
+            raise
+        metadata_notes.append(f"the file's metadata is not used: {exc}")
     ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
                                   hf_config=hf_config, weights=None if weights is None else str(weights), seed=seed,
                                   reference_block=reference_block, max_in_memory=max_in_memory)
+    notes = metadata_notes + notes
     dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
     tol = tolerance("block", DTYPES[dtype])
     rope = preset.rope if preset else (hf_info.rope if hf_info else None)

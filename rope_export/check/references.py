@@ -15,6 +15,7 @@ sizes the reference and the runners take turns with the memory.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -134,8 +135,8 @@ class TransformersReference(Reference):
             if getattr(hf, "AttentionWithCache", None) is None:
                 raise _NoReference("this rope_export.hf has no attention-layer wrapper to rebuild one layer")
         else:
-            self.layers = sorted({int(s.name.split(".")[1]) for s in mf.inputs
-                                  if s.name.startswith("past_key_values.")})
+            past = [re.fullmatch(r"past_key_values\.(\d+)\.(key|value)", s.name) for s in mf.inputs]
+            self.layers = sorted({int(m.group(1)) for m in past if m})
             expected_in = {"input_ids", "position_ids", *(f"past_key_values.{i}.{kv}" for i in self.layers
                                                           for kv in ("key", "value"))}
             optional = {"attention_mask"}
@@ -220,24 +221,24 @@ class OnnxFileReference(Reference):
             self.other = ModelFile.open(path)
         except CheckError as exc:
             raise CheckError(f"--reference: {exc}") from None
-        self.label = f"onnxruntime on {path}"
+        self.label = f"onnxruntime on {self.other.label}"
         self.max_in_memory = max_in_memory
         mine = {s.name: s for s in mf.inputs}
         theirs = {s.name: s for s in self.other.inputs}
         if set(mine) != set(theirs):
-            raise CheckError(f"--reference {path}: its inputs {sorted(theirs)} do not match the file's {sorted(mine)}; "
-                             "give a reference with the same input names")
+            raise CheckError(f"--reference {self.other.label}: its inputs {sorted(theirs)} do not match the file's "
+                             f"{sorted(mine)}; give a reference with the same input names")
         for name, spec in mine.items():
             other = theirs[name]
             same_rank = spec.dims is None or other.dims is None or len(spec.dims) == len(other.dims)
             static_ok = same_rank and all(not (isinstance(a, int) and isinstance(b, int) and a != b)
                                           for a, b in zip(spec.dims or (), other.dims or (), strict=False))
             if spec.elem_type != other.elem_type or not static_ok:
-                raise CheckError(f"--reference {path}: input {_describe(other)} does not match the file's "
+                raise CheckError(f"--reference {self.other.label}: input {_describe(other)} does not match the file's "
                                  f"{_describe(spec)}")
         common = [s.name for s in mf.outputs if s.name in {o.name for o in self.other.outputs}]
         if not common:
-            raise CheckError(f"--reference {path}: no output name in common with the file (its outputs: "
+            raise CheckError(f"--reference {self.other.label}: no output name in common with the file (its outputs: "
                              f"{[o.name for o in self.other.outputs]}; the file's: {[o.name for o in mf.outputs]})")
         self.common = common
 
@@ -312,7 +313,7 @@ def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weigh
             max_in_memory) -> Reference:
     if reference_path is not None:
         return OnnxFileReference(mf, reference_path, max_in_memory)
-    if hf_config is not None or source == "transformers":
+    if hf_config is not None or (source == "transformers" and hf_info is not None):
         if hf_info is None:  # --hf on a file without transformers metadata
             hf_info = HFInfo(_file_dtype(mf), seed or 0, "hf-causal-lm", {}, None, None)
         elif seed is not None:
@@ -323,7 +324,7 @@ def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weigh
         except _NoReference as why:
             notes.append(f"transformers is not the reference: {why}")
             return GoldenRunnerReference(mf, max_in_memory, "no transformers reference for this file")
-    if source == "preset":
+    if source == "preset" and preset is not None:
         return PresetReference(mf, preset, reference_block)
     return GoldenRunnerReference(mf, max_in_memory, "the file has no rope_export metadata and no --reference or --hf "
                                                     "was given")

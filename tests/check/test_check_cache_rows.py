@@ -72,3 +72,21 @@ def test_one_node_without_metadata_fails_on_changed_rows(change):
     assert not report.passed
     (bad,) = [t for t in report.tables if not t.passed]
     assert bad.role == "cos/sin" and bad.bad_rows == ([(300, 479)] if change == "negate-300-479" else [(77, 77)])
+
+
+def test_a_row_of_gptjs_sin_cos_table_changed_fails_when_the_node_runs_alone():
+    """GPT-J keeps sin|cos per position in one table the graph gathers: no [rows, rd/2] cache, so the
+    sweep (the node with its gather, over every position) is what sees the row."""
+    pytest.importorskip("transformers")
+    from check_files import copy, hf_file
+    from onnx import numpy_helper
+
+    model = copy(hf_file("gptj"))
+    init = next(i for i in model.graph.initializer if list(i.dims) == [1, 32, 4])  # embed_positions, folded
+    table = numpy_helper.to_array(init).copy()
+    table[0, 20] = -table[0, 20]
+    init.CopyFrom(numpy_helper.from_array(table, init.name))
+    report = check(model, ("cpu-twin", "onnxruntime-cpu"))
+    assert not report.passed and not report.tables
+    for r in report.runners:
+        assert r.sweep.status == "FAIL" and "positions 20 differ from the RoPE configuration" in r.sweep.reason
