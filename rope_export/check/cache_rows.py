@@ -29,7 +29,7 @@ from rope_export.rope_types import RopeConfig, build_caches, inv_freq_and_scalin
 from rope_export.tolerances import tolerance
 
 CHUNK_ELEMENTS = 1 << 22  # X elements per run of a node alone (16 MB in float32)
-FLOAT32_ANGLE_SLACK = 2.0**-20  # caches computed in the graph in float32: angle error up to ~p*theta*2^-21
+FLOAT32_ANGLE_SLACK = 2.0**-22  # caches computed in the graph in float32: angle error ~p*theta*2^-24 per rounding
 HALF_CACHE_SLACK = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # cos/sin rounded to X's half type
 PEER_SWEEP = 4096  # positions the runners are compared over when the file records no range
 

@@ -14,7 +14,7 @@ import onnx
 from rope_export.check import cache_rows
 from rope_export.check.compare import compare_output, token_errors
 from rope_export.check.graph import rotary_nodes, rotary_slices
-from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, stress_cases, user_cases
+from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
 from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
 from rope_export.check.model_file import CheckError, ModelFile, free_memory, gib, memory_limit_bytes
 from rope_export.check.references import _file_dtype, choose_reference
@@ -29,7 +29,7 @@ from rope_export.check.runners import (
     run_cases,
 )
 from rope_export.export import DTYPES
-from rope_export.tolerances import tolerance
+from rope_export.tolerances import for_layers, tolerance
 
 
 def _raw_positions(mf: ModelFile) -> bool:
@@ -84,9 +84,13 @@ def check(
                                   reference_block=reference_block, max_in_memory=max_in_memory)
     notes = metadata_notes + notes
     dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
-    tol = tolerance("block", DTYPES[dtype])
+    layers = _layers(mf)
+    tol = for_layers(tolerance("block", DTYPES[dtype]), layers)
+    if layers > 1:
+        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.tolerances.for_layers)")
     rope = preset.rope if preset else (hf_info.rope if hf_info else None)
     position_limit = preset.position_limit if preset else (hf_info.position_limit if hf_info else None)
+    position_limit = position_limit or ref.position_limit
 
     slices, slice_notes = rotary_slices(mf)
     notes += slice_notes
@@ -99,7 +103,7 @@ def check(
     past_end = not _raw_positions(mf) and (
         (preset is not None and not preset.rope.seq_len_dependent)
         or (source is None and bool(stored_rows) and all(s.tables for s in slices)))
-    vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None)
+    vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
     plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()
                         if v is not None}, position_limit=position_limit, past_end_allowed=past_end,
                      vocab=vocab if isinstance(vocab, int) else None)
@@ -139,7 +143,7 @@ def check(
         say(f"[{i}/{len(runners)}] {name}: preparing")
         try:
             runner, note = make_runner(name, mf, plugin_library=plugin_library, cases=cases,
-                                       max_in_memory=max_in_memory)
+                                       max_in_memory=max_in_memory, memory_limit=limit)
         except Skip as skip:
             reports.append(RunnerReport(name, "skipped", str(skip)))
             continue
@@ -175,6 +179,12 @@ def check(
         model=mf.label, reference=ref.label, against=_short(ref), independent=ref.independent, dtype=dtype,
         tolerance=tol, runners=reports, tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
         preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]))
+
+
+def _layers(mf: ModelFile) -> int:
+    """Blocks stacked in the file: layers with a past key/value input, or rotary nodes two by two."""
+    past = sum(1 for s in mf.inputs if input_role(s) == "past")
+    return max(1, past // 2, len(rotary_nodes(mf.proto.graph)) // 2)
 
 
 def _short(ref) -> str:

@@ -177,7 +177,7 @@ def stress_cases(mf: ModelFile, plan: InputPlan, memory_limit: int) -> tuple[lis
     """The RoPE stress cases for this file's inputs, and notes on the ones left out."""
     specs = mf.inputs
     roles = {input_role(s) for s in specs}
-    has_past = "past" in roles or "attention_mask" in roles and plan.past > 0
+    has_past = "past" in roles
     position_rank = max((len(s.dims or ()) for s in specs if input_role(s) == "position_ids"), default=0)
     limit = plan.position_limit
     notes = []

@@ -33,6 +33,8 @@ class Reference:
 
     label = ""
     independent = True
+    position_limit: int | None = None  # the position range the reference knows of (transformers' config)
+    vocab: int | None = None
     weight_bytes = 0  # of the file: above model_file.BIG_WEIGHTS memory is collected after the reference ran
     golden_runner: str | None = None  # the runner that serves as the reference (peer mode)
 
@@ -123,6 +125,10 @@ class TransformersReference(Reference):
                              "there; pass --weights DIR with the model's *.safetensors")
         self.info, self.weights = info, weights
         self.config = _config_from(config_source)
+        text = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
+        limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        self.position_limit = limit if isinstance(limit, int) and limit > 0 else None  # for a file without metadata
+        self.vocab = getattr(text, "vocab_size", None)
         self.layer_kind = info.kind == "hf-attention"
         where = "random weights, seed " + str(info.seed) if weights is None else f"weights {weights}"
         self.label = f"transformers {type(self.config).__name__.removesuffix('Config')} ({info.dtype}, {where})"
@@ -142,9 +148,12 @@ class TransformersReference(Reference):
             optional = {"attention_mask"}
             expected_out = ["logits", *(f"present.{i}.{kv}" for i in self.layers for kv in ("key", "value"))]
             names -= optional & names
-        if names != expected_in:
+        if expected_in - names:
             raise CheckError(f"{mf.label}: inputs {sorted(names)} are not a transformers export's "
                              f"{sorted(expected_in)}; compare with --reference OTHER.onnx instead")
+        if names - expected_in:  # e.g. recurrent states of a hybrid model: not what this reference feeds
+            raise _NoReference(f"the file has inputs {sorted(names - expected_in)} that the transformers reference "
+                               "does not feed (only token ids, positions, a mask and past keys/values)")
         _require_outputs(mf, expected_out, "the transformers model")
         self.expected = expected_out
 

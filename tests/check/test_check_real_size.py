@@ -84,3 +84,27 @@ def test_the_reference_is_freed_before_each_runner_starts(external_file, monkeyp
     assert report.passed and len(built) == 1
     assert set(report.cases) >= {"prefill", "long-sequence"} and "seq 4" in report.inputs
     assert "long sequence 8" in report.inputs  # short sequences by default, longer on request
+
+
+def test_onnxruntime_cpu_is_skipped_before_it_would_exceed_the_memory_limit():
+    from check_files import preset_file
+
+    from rope_export.check.runners import Skip, make_runner, ort_cpu_bytes
+
+    mf = model_file.ModelFile.open(preset_file("fp16", 64))
+    half = sum(model_file.tensor_nbytes(t) for t in mf.proto.graph.initializer
+               if t.data_type == onnx.TensorProto.FLOAT16)
+    assert half > 0 and ort_cpu_bytes(mf) >= 3 * half  # half-precision weights get a float32 copy on the CPU
+    with pytest.raises(Skip, match=r"keeps a float32 copy of half-precision weights\), more than the"):
+        make_runner("onnxruntime-cpu", mf, memory_limit=ort_cpu_bytes(mf) - 1)
+    runner, _ = make_runner("onnxruntime-cpu", mf, memory_limit=ort_cpu_bytes(mf))
+    assert runner.name == "onnxruntime-cpu"
+
+
+def test_a_whole_model_is_held_to_one_blocks_tolerance_per_layer_in_quadrature():
+    from rope_export.tolerances import for_layers, tolerance
+
+    block = tolerance("block", "float16")
+    assert for_layers(block, 16).atol == pytest.approx(4 * block.atol) and for_layers(block, 1) == block
+    report = check(hf_file("llama"), ("onnxruntime-cpu",), sweep=False)  # one layer: the block's own
+    assert report.tolerance == tolerance("block", "float32")

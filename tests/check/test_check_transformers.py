@@ -75,3 +75,14 @@ def test_config_given_with_hf_checks_a_file_without_metadata(tmp_path):
     assert report.passed and report.against == "transformers", report.failure_message()
     other_seed = check(stripped, ("onnxruntime-cpu",), hf_config=tmp_path, seed=1)
     assert not other_seed.passed  # other random weights: the comparison is real
+
+
+@pytest.mark.slow
+def test_one_attention_layer_export_matches_the_layer_in_transformers():
+    from rope_export import hf
+
+    result = hf.export_hf(hf_model("llama"), layer=0)
+    report = check(result.model, ("onnx-reference", "onnxruntime-cpu"))
+    assert report.passed and report.against == "transformers", report.failure_message()
+    assert {s.output for stats in report.runners[0].cases.values() for s in stats} == {
+        "output", "present_key", "present_value"}
