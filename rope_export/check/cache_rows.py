@@ -279,6 +279,8 @@ def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, rope: RopeC
                                                max_in_memory=max_in_memory)
             except Skip as why:
                 results[name].reason = results[name].reason or str(why)
+            except Exception as exc:  # noqa: BLE001
+                results[name].fail(f"{sl.label}: cannot run the node alone: {first_line(exc)}")
         if not runners:
             continue
         say(f"sweeping {sl.label} over positions 0..{limit - 1}{' and out of range' if passes else ''} on "

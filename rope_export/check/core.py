@@ -147,6 +147,9 @@ def check(
         except Skip as skip:
             reports.append(RunnerReport(name, "skipped", str(skip)))
             continue
+        except Exception as exc:  # noqa: BLE001 - a runner that cannot load the file fails, named
+            reports.append(RunnerReport(name, "FAIL", first_line(exc)))
+            continue
         say(f"[{i}/{len(runners)}] {name}: running {len(cases)} cases{note}")
         started = time.perf_counter()
         try:

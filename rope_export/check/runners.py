@@ -102,6 +102,9 @@ def _onnxruntime(mf: ModelFile, name: str, kinds: set[str]):
         raise Skip("onnxruntime has no CUDA execution provider here (install rope-export[gpu] on a GPU machine)")
     if "trt-plugin" in kinds:
         raise Skip("onnxruntime cannot run the TensorRT plugin node; use cpu-twin or tensorrt for this file")
+    if any(s.elem_type == onnx.TensorProto.BFLOAT16 for s in mf.inputs):
+        raise Skip("onnxruntime's Python API takes no bfloat16 inputs (NumPy has no bfloat16 it converts); use "
+                   "onnx-reference, cpu-twin or tensorrt for this file")
     provider = "CUDAExecutionProvider" if name == "onnxruntime-cuda" else "CPUExecutionProvider"
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -123,13 +126,13 @@ def _onnxruntime(mf: ModelFile, name: str, kinds: set[str]):
     if mf.external and model is None:
         note = " (session on the file's path; weights read from its external data)"
 
-    def session():
-        try:
-            return ort.InferenceSession(source, options, providers=[provider])
-        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
-            raise RuntimeError(f"onnxruntime cannot load the file: {str(exc).strip().splitlines()[0][:300]}") \
-                from None
-
+    try:
+        session = ort.InferenceSession(source, options, providers=[provider])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
+        message = str(exc).strip().splitlines()[0][:300]
+        if "NOT_IMPLEMENTED" in message:  # no kernel for an op/type here: it cannot run the file, it did not disagree
+            raise Skip(f"onnxruntime has no kernel for part of this file here: {message}") from None
+        raise RuntimeError(f"onnxruntime cannot load the file: {message}") from None
     return OnnxrtRunner(session, name=name), note
 
 

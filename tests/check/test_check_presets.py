@@ -125,3 +125,11 @@ def test_cli_check_passes_and_writes_report(tmp_path, capsys):
     assert cli.main(["check", str(path), "--runners", "onnx-reference,cpu-twin", "--report", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert "cpu-twin" in out and "pass" in out and "check.json" in out
+
+
+def test_bfloat16_file_runs_where_it_can_and_says_why_not_elsewhere():
+    report = check(custom_model("bf16"), ("onnx-reference", "cpu-twin", "onnxruntime-cpu"))
+    assert report.passed, report.failure_message()
+    status = {r.runner: r for r in report.runners}
+    assert status["cpu-twin"].status == "pass" and status["cpu-twin"].sweep.status == "pass"
+    assert status["onnxruntime-cpu"].status == "skipped" and "no bfloat16 inputs" in status["onnxruntime-cpu"].reason
