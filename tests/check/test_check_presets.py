@@ -7,8 +7,9 @@ import json
 import numpy as np
 import onnx
 import pytest
+from check_files import TAMPERING
 from exported import exported_model
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from rope_export import cli
 from rope_export.check import CheckError, check, position_buckets, write_reports
@@ -47,12 +48,6 @@ def test_half_precision_file_passes_with_half_tolerances():
     assert report.tolerance.rtol > 1e-3  # the fp16 block tolerance, not fp32's
 
 
-def flip_interleaved(model):
-    attr = next(a for a in rotary_nodes(model)[0].attribute if a.name == "interleaved")
-    attr.i = 1 - attr.i
-    return model
-
-
 def wrong_cache(model):
     name = rotary_nodes(model)[0].input[1]
     init = next(i for i in model.graph.initializer if i.name == name)
@@ -61,19 +56,13 @@ def wrong_cache(model):
     return model
 
 
-def position_offset(model):
-    shifted, one = "position_ids_plus_one", "one_i64"
-    model.graph.initializer.append(numpy_helper.from_array(np.array(1, dtype=np.int64), one))
-    for node in rotary_nodes(model):
-        node.input[3] = shifted
-    model.graph.node.insert(0, helper.make_node("Add", ["position_ids", one], [shifted]))
-    return model
+BREAKAGES = {**TAMPERING, "cache-rolled-by-one-row": wrong_cache}
 
 
-@pytest.mark.parametrize("breakage", [flip_interleaved, wrong_cache, position_offset])
+@pytest.mark.parametrize("breakage", BREAKAGES)
 def test_broken_file_fails_naming_runner_and_output(breakage, tmp_path, capsys):
     path = tmp_path / "broken.onnx"
-    onnx.save_model(breakage(custom_model()), path)
+    onnx.save_model(BREAKAGES[breakage](custom_model()), path)
     assert cli.main(["check", str(path), "--runners", ",".join(RUNNERS)]) == 1
     err = capsys.readouterr().err
     for runner in RUNNERS:  # every runner runs the broken graph, so every one must disagree
