@@ -1,9 +1,10 @@
-"""Runners for polygraphy's ``Comparator``: PyTorch, onnx.reference, the plugin's CPU twin,
-onnxruntime (through polygraphy's own runner) and TensorRT.
+"""Runners for polygraphy's ``Comparator`` that polygraphy lacks: onnx.reference with our op and
+the file run with the plugin's CPU twin; plus the recogniser of rotary nodes and the torch/NumPy
+conversions (bfloat16 included) the checks share.
 
-Each runner is a polygraphy ``BaseRunner``: ``Comparator.run([...], data_loader=feeds)`` runs
-them side by side, and ``rope_export.check`` compares their outputs. Optional backends
-(onnxruntime's CUDA EP, TensorRT) are imported lazily, so this module imports without them.
+Each runner is a polygraphy ``BaseRunner``; ``rope_export.check.runners`` builds them beside
+polygraphy's own onnxruntime and TensorRT runners. Optional backends are imported lazily, so this
+module imports without them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from rope_export import contract
 from rope_export.onnx_op import rotary_numpy
 from rope_export.passes.lower_trt_plugin import PLUGIN_OP_TYPES, TRT_PLUGIN_DOMAIN, is_trt_plugin_node
 
-ROTARY_DOMAINS = (contract.DOMAIN, TRT_PLUGIN_DOMAIN)  # nodes that carry the op contract
 # (domain, op_type) of those nodes: ours, and the trt-plugin form (current and pre-rename op type).
 ROTARY_OPS = ((contract.DOMAIN, contract.OP_TYPE), *((TRT_PLUGIN_DOMAIN, t) for t in PLUGIN_OP_TYPES))
 
@@ -83,23 +83,6 @@ class _TimedRunner(BaseRunner):
         raise NotImplementedError
 
 
-class TorchRunner(_TimedRunner):
-    """The PyTorch block: the reference every other runner is compared with.
-
-    ``model`` gives the I/O names and order (the block's forward takes the inputs in that order).
-    """
-
-    def __init__(self, block: torch.nn.Module, model: onnx.ModelProto, name: str = "pytorch"):
-        super().__init__(model, name)
-        self.block = block
-
-    def run(self, feed_dict):
-        names = [i.name for i in self.model.graph.input if i.name in feed_dict]
-        with torch.no_grad():
-            outputs = self.block(*(to_torch(feed_dict[n]) for n in names))
-        return [to_numpy(o) for o in outputs]
-
-
 class OnnxReferenceRunner(_TimedRunner):
     """onnx.reference's ReferenceEvaluator; rotary nodes run by ``kernel`` (default: the NumPy twin)."""
 
@@ -156,13 +139,6 @@ class CpuTwinRunner(OnnxReferenceRunner):
 
     def __init__(self, model: onnx.ModelProto, name: str = "cpu-twin"):
         super().__init__(model, name, kernel=_twin_kernel)
-
-
-def onnxrt_runner(model: onnx.ModelProto, name: str = "onnxruntime-cpu", providers=("CPUExecutionProvider",)):
-    """polygraphy's own OnnxrtRunner over an in-memory model."""
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-
-    return OnnxrtRunner(SessionFromOnnx(model.SerializeToString(), providers=list(providers)), name=name)
 
 
 def cuda_available_for_onnxruntime() -> bool:

@@ -11,11 +11,18 @@ Two kinds of comparison:
   precision each matmul accumulates with a different order and rounding, so errors of a few
   ulps of the *output scale* are normal; the absolute part is scaled for outputs of order 1.
 
+A whole model (a causal LM of L such blocks) is held to the block tolerance times sqrt(L)
+(``for_layers``): each block's rounding differences are independent of the others', so they add in
+quadrature. Measured: a Llama-3.2-1B-shaped model (16 layers, random weights) in fp16 differs
+between onnxruntime CPU and transformers by up to 1.9e-2 in its logits (mean 2.4e-3), inside
+4 x 1e-2 and outside the single-block 1e-2.
+
 A value passes when ``|a - b| <= atol + rtol * |b|`` (numpy.allclose's rule).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -56,3 +63,9 @@ def tolerance(kind: str, dtype: str) -> Tolerance:
             f"no tolerance for kind={kind!r}, dtype={name!r}; kinds: {sorted(TOLERANCES)}, "
             f"dtypes: {sorted(TOLERANCES['op'])}"
         ) from None
+
+
+def for_layers(tol: Tolerance, layers: int) -> Tolerance:
+    """The tolerance of ``layers`` stacked blocks: the block's, times sqrt(layers) (see the module doc)."""
+    scale = math.sqrt(max(1, int(layers)))
+    return Tolerance(tol.atol * scale, tol.rtol * scale)

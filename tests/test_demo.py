@@ -21,11 +21,16 @@ def test_demo_validates_every_target(tmp_path, capsys):
     out = capsys.readouterr().out
     for target in ("custom-op", "trt-plugin", "onnx", "ort", "decomposed"):
         assert target in out
-    assert "FAIL" not in out and out.count("pass") >= 7
+    assert "FAIL" not in out and out.count("pass") >= 14  # 7 preset rows and 7 tiny Llama rows ran
     assert "tensorrt" in out  # its row is there, skipped with a reason, when TensorRT is absent
+    lowered = [f"model.{t}.onnx" for t in ("trt-plugin", "onnx", "ort", "decomposed")]
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == sorted(["model.onnx"] + [f"model.{t}.onnx" for t in ("trt-plugin", "onnx", "ort", "decomposed")])
+    assert written == sorted(["model.onnx", "llama", *lowered])
     assert count_rotary_nodes(onnx.load_model(tmp_path / "model.onnx")) == 2
+    # the real-model path: export --hf of a tiny Llama config, its lowerings, checked against transformers
+    assert "tiny Llama" in out and "against its reference" in out
+    assert sorted(p.name for p in (tmp_path / "llama").iterdir()) == sorted(["config.json", "model.onnx", *lowered])
+    assert count_rotary_nodes(onnx.load_model(tmp_path / "llama" / "model.onnx")) == 4  # q and k of 2 layers
 
 
 def test_deployment_script_runs_to_the_end(tmp_path):

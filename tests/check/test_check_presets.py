@@ -1,4 +1,4 @@
-"""rope-export check: passes on every correct lowering, fails by name on broken files, writes reports."""
+"""check on preset exports: passes on every correct lowering, fails by name on broken files, writes reports."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import numpy as np
 import onnx
 import pytest
+from check_files import TAMPERING
 from exported import exported_model
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from rope_export import cli
 from rope_export.check import CheckError, check, position_buckets, write_reports
@@ -36,7 +37,8 @@ def test_every_correct_lowering_passes(target):
     assert ran, "no runner ran"
     assert report.passed, report.failure_message()
     for r in ran:
-        assert set(r.cases) >= {"prefill", "long-sequence", "large-magnitude", "decode-end-of-cache"}
+        assert set(r.cases) >= {"prefill", "long-sequence", "large-magnitude", "decode-end-of-positions",
+                                "past-end-of-positions"}
         assert r.max_abs is not None and r.max_abs < 1e-3
 
 
@@ -44,12 +46,6 @@ def test_half_precision_file_passes_with_half_tolerances():
     report = check(custom_model("fp16"), ("onnx-reference", "cpu-twin"))
     assert report.passed, report.failure_message()
     assert report.tolerance.rtol > 1e-3  # the fp16 block tolerance, not fp32's
-
-
-def flip_interleaved(model):
-    attr = next(a for a in rotary_nodes(model)[0].attribute if a.name == "interleaved")
-    attr.i = 1 - attr.i
-    return model
 
 
 def wrong_cache(model):
@@ -60,19 +56,13 @@ def wrong_cache(model):
     return model
 
 
-def position_offset(model):
-    shifted, one = "position_ids_plus_one", "one_i64"
-    model.graph.initializer.append(numpy_helper.from_array(np.array(1, dtype=np.int64), one))
-    for node in rotary_nodes(model):
-        node.input[3] = shifted
-    model.graph.node.insert(0, helper.make_node("Add", ["position_ids", one], [shifted]))
-    return model
+BREAKAGES = {**TAMPERING, "cache-rolled-by-one-row": wrong_cache}
 
 
-@pytest.mark.parametrize("breakage", [flip_interleaved, wrong_cache, position_offset])
+@pytest.mark.parametrize("breakage", BREAKAGES)
 def test_broken_file_fails_naming_runner_and_output(breakage, tmp_path, capsys):
     path = tmp_path / "broken.onnx"
-    onnx.save_model(breakage(custom_model()), path)
+    onnx.save_model(BREAKAGES[breakage](custom_model()), path)
     assert cli.main(["check", str(path), "--runners", ",".join(RUNNERS)]) == 1
     err = capsys.readouterr().err
     for runner in RUNNERS:  # every runner runs the broken graph, so every one must disagree
@@ -97,10 +87,10 @@ def test_reports_are_written_and_readable(tmp_path):
     assert image[..., :3].std() > 0.05
 
 
-def test_position_buckets_take_the_max_per_bucket():
-    points = [(0, 1.0), (1, 3.0), (6, 2.0), (7, 5.0)]
-    buckets = position_buckets(points, buckets=2)
-    assert buckets == [{"from": 0, "to": 3, "max_abs": 3.0}, {"from": 4, "to": 7, "max_abs": 5.0}]
+def test_position_buckets_are_powers_of_two_and_take_the_max():
+    points = [(0, 1.0), (1, 3.0), (2, 2.0), (3, 5.0), (70000, 0.25), (131071, 0.5), (-1, 7.0)]
+    assert [(b["label"], b["tokens"], b["max_abs"]) for b in position_buckets(points)] == [
+        ("< 0", 1, 7.0), ("0", 1, 1.0), ("1", 1, 3.0), ("2-3", 2, 5.0), ("65536-131071", 2, 0.5)]
 
 
 def test_check_rejects_what_it_cannot_check(tmp_path):
@@ -108,10 +98,14 @@ def test_check_rejects_what_it_cannot_check(tmp_path):
         check(custom_model(), ("gpu",))
     with pytest.raises(CheckError, match="no such file"):
         check(tmp_path / "missing.onnx")
+
+
+def test_without_metadata_the_runners_are_compared_with_onnx_reference():
     bare = custom_model()
     del bare.metadata_props[:]
-    with pytest.raises(ValueError, match="no rope_export metadata"):
-        check(bare)
+    report = check(bare, ("onnx-reference", "cpu-twin", "onnxruntime-cpu"))
+    assert report.passed and not report.independent and report.against == "onnx-reference"
+    assert [r.status for r in report.runners] == ["golden", "pass", "pass"]
 
 
 def test_cli_check_passes_and_writes_report(tmp_path, capsys):
@@ -120,3 +114,11 @@ def test_cli_check_passes_and_writes_report(tmp_path, capsys):
     assert cli.main(["check", str(path), "--runners", "onnx-reference,cpu-twin", "--report", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert "cpu-twin" in out and "pass" in out and "check.json" in out
+
+
+def test_bfloat16_file_runs_where_it_can_and_says_why_not_elsewhere():
+    report = check(custom_model("bf16"), ("onnx-reference", "cpu-twin", "onnxruntime-cpu"))
+    assert report.passed, report.failure_message()
+    status = {r.runner: r for r in report.runners}
+    assert status["cpu-twin"].status == "pass" and status["cpu-twin"].sweep.status == "pass"
+    assert status["onnxruntime-cpu"].status == "skipped" and "no bfloat16 inputs" in status["onnxruntime-cpu"].reason

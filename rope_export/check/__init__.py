@@ -1,0 +1,48 @@
+"""``rope-export check``: prove that a file computes what its reference computes, on every runner.
+
+The package follows polygraphy's split between what is compared and how:
+
+* ``model_file``: the file, opened without its weights and refused early when it cannot be checked;
+* ``metadata``: the ``rope_export.*`` metadata, validated field by field;
+* ``references``: what the runners are compared with (the preset's PyTorch block, the transformers
+  model, another ONNX file, or onnx-reference as the golden), chosen from the file or named;
+* ``inputs``: feeds generated from the graph (decoder-aware, RoPE stress cases) or the user's own;
+* ``runners``: onnx-reference, the CPU twin, onnxruntime CPU/CUDA, TensorRT, each skipped with a reason;
+* ``graph`` and ``cache_rows``: every stored cache row compared with the RoPE configuration, and each
+  rotary node run alone over every position on every runner;
+* ``compare`` and ``report``: error statistics, error by position, JSON/Markdown/PNG;
+* ``core``: ``check()`` itself; ``cli``: the command.
+"""
+
+from rope_export.check.cli import register
+from rope_export.check.compare import OutputStats, compare_output, position_buckets
+from rope_export.check.core import check
+from rope_export.check.inputs import Case, InputPlan
+from rope_export.check.model_file import CheckError
+from rope_export.check.report import (
+    CheckReport,
+    RunnerReport,
+    print_report,
+    report_dict,
+    report_markdown,
+    write_reports,
+)
+from rope_export.check.runners import RUNNERS
+
+__all__ = [
+    "RUNNERS",
+    "Case",
+    "CheckError",
+    "CheckReport",
+    "InputPlan",
+    "OutputStats",
+    "RunnerReport",
+    "check",
+    "compare_output",
+    "position_buckets",
+    "print_report",
+    "register",
+    "report_dict",
+    "report_markdown",
+    "write_reports",
+]

@@ -1,0 +1,94 @@
+"""The ``rope-export check`` command: exit 0 when every runner agrees, 1 naming what disagrees, 2 on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rope_export.check.runners import RUNNERS
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
+    if not 0 <= value < 2**20:
+        raise argparse.ArgumentTypeError(f"{text} GB is out of range")
+    return value
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "check", help="compare an ONNX file with its reference (PyTorch, transformers, another file) on every runner",
+        description="The reference is chosen from the file: a preset export is compared with its PyTorch block, an "
+        "`export --hf` file with transformers, any other file with onnx-reference as the golden; or named with "
+        "--reference / --hf. Every stored cos/sin cache row is compared with the RoPE configuration and each rotary "
+        "node is run alone over every position. Exit 0: all agree; 1: a runner disagrees; 2: bad input.")
+    parser.add_argument("model", help="the .onnx file (weights may be external, beside it)")
+    parser.add_argument("--runners", default=",".join(RUNNERS),
+                        help=f"comma-separated, from {', '.join(RUNNERS)} (default: all; unavailable ones are skipped)")
+    parser.add_argument("--reference", metavar="OTHER.onnx",
+                        help="compare with another ONNX file run by onnxruntime (same input names), e.g. the plain "
+                             "export a fused or lowered file came from")
+    parser.add_argument("--hf", metavar="CONFIG", help="compare with the transformers model of this config (folder or "
+                                                       ".json); default: the config recorded in the file")
+    parser.add_argument("--weights", metavar="DIR", help="the transformers weights (default: recorded in the file, "
+                                                         "else random weights from --seed)")
+    parser.add_argument("--seed", type=_positive, help="seed of random transformers weights (default: recorded, or 0)")
+    parser.add_argument("--inputs", action="append", metavar="FEEDS",
+                        help="your own inputs: feeds.npz (one case), or a data-loader script loader.py[:load_data] "
+                             "yielding feed dicts; repeatable")
+    sizes = parser.add_argument_group("sizes of the generated inputs (dynamic dims; static ones are kept)")
+    sizes.add_argument("--batch", type=_positive, help="batch (default 2)")
+    sizes.add_argument("--seq", type=_positive, help="new tokens per case (default 16)")
+    sizes.add_argument("--past", type=_positive, help="past length of the decode cases (default 8)")
+    sizes.add_argument("--long-seq", type=_positive, help="tokens of the long-sequence case (default 128)")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="skip running each rotary node alone over every position (the stored caches are still "
+                             "compared row by row)")
+    parser.add_argument("--memory-limit", type=_gigabytes, metavar="GB",
+                        help="refuse plans that would allocate more (default: half of this machine's memory)")
+    parser.add_argument("--max-in-memory", type=_gigabytes, metavar="GB",
+                        help="weights above this stay on disk: onnx-reference and cpu-twin, which need the whole "
+                             "ModelProto, are skipped (default 1)")
+    parser.add_argument("--report", metavar="DIR", help="write check.json, check.md and error_vs_position.png here")
+    parser.add_argument("--plugin", metavar="LIB", help="TensorRT plugin library for the tensorrt runner")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from rich.console import Console
+
+    from rope_export.check.core import check
+    from rope_export.check.report import print_report, write_reports
+
+    console = Console()
+    runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
+    with console.status("checking") as status:
+        def progress(message: str) -> None:
+            status.update(message)
+            console.log(message, markup=False, highlight=False)
+
+        report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,
+                       seed=args.seed, inputs=args.inputs, batch=args.batch, seq=args.seq, past=args.past,
+                       long_seq=args.long_seq, sweep=not args.no_sweep, plugin_library=args.plugin,
+                       memory_limit_gb=args.memory_limit, max_in_memory_gb=args.max_in_memory, progress=progress)
+    print_report(report, console)
+    if args.report:
+        for path in write_reports(report, args.report):
+            console.print(f"wrote {path}")
+    if not report.passed:
+        print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
+        return 1
+    return 0

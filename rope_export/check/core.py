@@ -1,0 +1,223 @@
+"""``check()``: open the file, pick the reference, make the inputs, then the reference and the runners
+take turns: the reference computes every case and is freed, then each runner runs and is freed,
+then each rotary node alone is swept over every position on every runner.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import onnx
+
+from rope_export.check import cache_rows
+from rope_export.check.compare import compare_output, token_errors
+from rope_export.check.graph import rotary_nodes, rotary_slices
+from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
+from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
+from rope_export.check.model_file import CheckError, ModelFile, free_memory, gib, memory_limit_bytes
+from rope_export.check.references import _file_dtype, choose_reference
+from rope_export.check.report import CheckReport, RunnerReport
+from rope_export.check.runners import (
+    MAX_IN_MEMORY,
+    RUNNERS,
+    Skip,
+    check_runner_names,
+    first_line,
+    make_runner,
+    run_cases,
+)
+from rope_export.export import DTYPES
+from rope_export.tolerances import for_layers, tolerance
+
+
+def _raw_positions(mf: ModelFile) -> bool:
+    """Whether a standard/contrib rotary node reads position_ids straight from the graph's input
+    (lowered with --trust-positions): then positions outside the caches are not legal for the file."""
+    inputs = {s.name for s in mf.inputs}
+    return any(rn.kind in ("onnx", "ort") and rn.position_ids in inputs for rn in rotary_nodes(mf.proto.graph))
+
+
+def check(
+    model: onnx.ModelProto | str | os.PathLike,
+    runners: tuple[str, ...] = RUNNERS,
+    *,
+    reference: str | os.PathLike | None = None,
+    hf_config: str | os.PathLike | None = None,
+    weights: str | os.PathLike | None = None,
+    seed: int | None = None,
+    inputs: list[str] | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    past: int | None = None,
+    long_seq: int | None = None,
+    sweep: bool = True,
+    reference_block=None,
+    plugin_library: str | None = None,
+    memory_limit_gb: float | None = None,
+    max_in_memory_gb: float | None = None,
+    progress=None,
+) -> CheckReport:
+    """Run every runner on the file and compare with its reference (see ``rope_export.check``)."""
+    say = progress or (lambda message: None)
+    runners = tuple(runners)
+    check_runner_names(runners)
+    if reference is not None and hf_config is not None:
+        raise CheckError("give either --reference OTHER.onnx or --hf CONFIG, not both")
+    limit = memory_limit_bytes(memory_limit_gb)
+    max_in_memory = MAX_IN_MEMORY if max_in_memory_gb is None else int(max_in_memory_gb * 2**30)
+    say(f"opening {model if not isinstance(model, onnx.ModelProto) else 'the model'}")
+    mf = ModelFile.open(model)
+    source = file_source(mf)
+    preset = hf_info = None
+    metadata_notes = []
+    try:  # the RoPE configuration and sizes the file records, also used when another reference is named
+        preset = read_preset_info(mf, limit) if source == "preset" else None
+        hf_info = read_hf_info(mf, limit) if source == "transformers" else None
+    except CheckError as exc:
+        if reference is None and hf_config is None:
+            raise
+        metadata_notes.append(f"the file's metadata is not used: {exc}")
+    ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
+                                  hf_config=hf_config, weights=None if weights is None else str(weights), seed=seed,
+                                  reference_block=reference_block, max_in_memory=max_in_memory)
+    notes = metadata_notes + notes
+    dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
+    layers = _layers(mf)
+    tol = for_layers(tolerance("block", DTYPES[dtype]), layers)
+    if layers > 1:
+        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.tolerances.for_layers)")
+    rope = preset.rope if preset else (hf_info.rope if hf_info else None)
+    position_limit = preset.position_limit if preset else (hf_info.position_limit if hf_info else None)
+    position_limit = position_limit or ref.position_limit
+
+    slices, slice_notes = rotary_slices(mf)
+    notes += slice_notes
+    stored_rows = [int(mf.initializer(s.tables["cos"]).dims[0]) for s in slices if s.tables]
+    if position_limit is None and stored_rows:
+        position_limit = min(stored_rows)
+    say("comparing every row of the stored cos/sin caches")
+    tables = cache_rows.check_tables(mf, rope, slices, position_limit)
+
+    past_end = not _raw_positions(mf) and (
+        (preset is not None and not preset.rope.seq_len_dependent)
+        or (source is None and bool(stored_rows) and all(s.tables for s in slices)))
+    vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
+    plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()
+                        if v is not None}, position_limit=position_limit, past_end_allowed=past_end,
+                     vocab=vocab if isinstance(vocab, int) else None)
+    for name in ("batch", "seq", "long_seq"):
+        if getattr(plan, name) < 1:
+            raise CheckError(f"--{name.replace('_', '-')} must be at least 1")
+    if plan.past < 0:
+        raise CheckError("--past must be 0 or more")
+    if inputs:
+        cases, described = user_cases(list(inputs), mf), f"the user's feeds ({', '.join(map(str, inputs))})"
+    else:
+        cases, case_notes = stress_cases(mf, plan, limit)
+        notes += case_notes
+        described = describe_plan(plan)
+    if source == "transformers" and plan.vocab is None and not inputs:
+        notes.append("the vocabulary size was not found; token ids are drawn below 2")
+
+    started = time.perf_counter()
+    try:
+        expected = ref.outputs(cases, say)
+    except CheckError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the reference refusing these inputs is the file's problem
+        raise CheckError(f"the reference ({ref.label}) cannot run the inputs: {first_line(exc)}") from None
+    say(f"reference done in {time.perf_counter() - started:.1f} s")
+    free_memory(mf.weight_bytes)
+    compared_outputs = ref.expected_outputs(mf)
+    missing = [o.name for o in mf.outputs if o.name not in compared_outputs]
+    if missing:
+        notes.append(f"outputs not compared (the reference does not produce them): {', '.join(missing)}")
+
+    reports = []
+    for i, name in enumerate(runners, 1):
+        if name == ref.golden_runner:
+            reports.append(RunnerReport(name, "golden", "the reference the other runners are compared with"))
+            continue
+        say(f"[{i}/{len(runners)}] {name}: preparing")
+        try:
+            runner, note = make_runner(name, mf, plugin_library=plugin_library, cases=cases,
+                                       max_in_memory=max_in_memory, memory_limit=limit)
+        except Skip as skip:
+            reports.append(RunnerReport(name, "skipped", str(skip)))
+            continue
+        except Exception as exc:  # noqa: BLE001 - a runner that cannot load the file fails, named
+            reports.append(RunnerReport(name, "FAIL", first_line(exc)))
+            continue
+        say(f"[{i}/{len(runners)}] {name}: running {len(cases)} cases{note}")
+        started = time.perf_counter()
+        try:
+            actual, latency = run_cases(runner, cases)
+        except Exception as exc:  # noqa: BLE001 - a runner that crashes is a failed comparison, named
+            reports.append(RunnerReport(name, "FAIL", first_line(exc)))
+            continue
+        finally:
+            del runner
+            mf.release()
+            free_memory(mf.weight_bytes)
+        say(f"[{i}/{len(runners)}] {name}: done in {time.perf_counter() - started:.1f} s")
+        reports.append(_compare(name, note, latency, cases, actual, expected, compared_outputs, tol))
+
+    if sweep and slices:
+        results, sweep_notes = cache_rows.sweep(
+            mf, slices, runners, rope=rope, position_limit=position_limit, out_of_range_allowed=past_end,
+            plugin_library=plugin_library, max_in_memory=max_in_memory, say=say)
+        notes += sweep_notes
+        for r in reports:
+            r.sweep = results.get(r.runner)
+            if r.sweep is not None and r.sweep.status == "FAIL":
+                r.status = "FAIL"
+    elif not slices and not tables:
+        notes.append("no rotary node could be run alone (none in the file, or none with static head sizes); the "
+                     "positions are covered by the stress cases only")
+    if mf.external:
+        notes.append(f"weights: {gib(mf.weight_bytes)} in external data, read by each runner from the path in turn")
+    return CheckReport(
+        model=mf.label, reference=ref.label, against=_short(ref), independent=ref.independent, dtype=dtype,
+        tolerance=tol, runners=reports, tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
+        preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]))
+
+
+def _layers(mf: ModelFile) -> int:
+    """Blocks stacked in the file: layers with a past key/value input, or rotary nodes two by two."""
+    past = sum(1 for s in mf.inputs if input_role(s) == "past")
+    return max(1, past // 2, len(rotary_nodes(mf.proto.graph)) // 2)
+
+
+def _short(ref) -> str:
+    label = ref.label
+    if label.startswith("PyTorch"):
+        return "PyTorch"
+    if label.startswith("transformers"):
+        return "transformers"
+    if ref.golden_runner:
+        return ref.golden_runner
+    return label
+
+
+def _compare(name, note, latency, cases, actual, expected, outputs, tol) -> RunnerReport:
+    report = RunnerReport(name, "pass", note.strip(" ()"), latency)
+    for case, got, want in zip(cases, actual, expected, strict=True):
+        stats = []
+        for output in outputs:
+            if output not in got:
+                stats.append(compare_output(output, np.zeros(0), np.zeros(1), tol))
+                stats[-1].problem = "the runner gave no such output"
+                continue
+            stats.append(compare_output(output, got[output], want[output], tol))
+        report.cases[case.name] = stats
+        if case.positions is not None:
+            for output in outputs:  # the first output with one row per token: error by position
+                errors = token_errors(got.get(output, np.zeros(0)), want[output])
+                if errors is not None and errors.shape == case.positions.shape:
+                    report.position_error.add(case.positions, errors)
+                    break
+    if report.failures():
+        report.status = "FAIL"
+    return report

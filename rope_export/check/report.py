@@ -1,0 +1,239 @@
+"""The check report: what was compared with what, per runner and case, as JSON, Markdown, a PNG and a table.
+
+The PNG plots the max error per power-of-two bucket of positions, one series per runner: the whole
+model on the stress cases (top) and each rotary node alone over every position (bottom), so it
+stays readable whether positions span 64 rows or 131072.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rope_export.check.cache_rows import SweepResult, TableCheck
+from rope_export.check.compare import OutputStats, PositionErrors, bucket_label
+from rope_export.fileio import atomic_write_text
+from rope_export.plotting import pyplot_or_none, save_png
+from rope_export.tolerances import Tolerance
+
+
+@dataclass
+class RunnerReport:
+    runner: str
+    status: str  # "pass", "FAIL", "skipped" or "golden" (the runner the others are compared with)
+    reason: str = ""
+    latency_ms: float | None = None
+    cases: dict[str, list[OutputStats]] = field(default_factory=dict)
+    position_error: PositionErrors = field(default_factory=PositionErrors)
+    sweep: SweepResult | None = None
+
+    @property
+    def max_abs(self) -> float | None:
+        values = [s.max_abs for stats in self.cases.values() for s in stats]
+        return max(values) if values else None
+
+    def failures(self) -> list[str]:
+        return [f"{case}/{s.output}" for case, stats in self.cases.items() for s in stats if not s.passed]
+
+
+@dataclass
+class CheckReport:
+    model: str
+    reference: str  # what the runners were compared with, in words
+    against: str  # short: "PyTorch", "transformers", "onnxruntime on X.onnx", "onnx-reference"
+    independent: bool  # False: the reference is one of the runners (compared with each other)
+    dtype: str
+    tolerance: Tolerance
+    runners: list[RunnerReport]
+    tables: list[TableCheck] = field(default_factory=list)
+    inputs: str = ""
+    cases: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    preset: str = ""
+    sweep_tolerance: Tolerance | None = None  # the op tolerance the rotary nodes alone are held to
+
+    @property
+    def compared(self) -> list[RunnerReport]:
+        return [r for r in self.runners if r.status in ("pass", "FAIL")]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.compared) and all(r.status == "pass" for r in self.compared) and all(
+            t.passed for t in self.tables)
+
+    def failure_message(self) -> str:
+        lines = [t.message() for t in self.tables if not t.passed]
+        for r in self.runners:
+            if r.status != "FAIL":
+                continue
+            where = ", ".join(r.failures()[:4])
+            if where or not r.sweep or r.sweep.status != "FAIL":
+                lines.append(f"runner {r.runner} disagrees with {self.against} on {where or r.reason}")
+            if r.sweep is not None and r.sweep.status == "FAIL":
+                lines.append(f"runner {r.runner}, rotary node alone: {r.sweep.reason}")
+        if not self.compared:
+            lines.append("no runner could run this file: " + "; ".join(
+                f"{r.runner}: {r.reason}" for r in self.runners if r.status == "skipped"))
+        return "\n".join(lines)
+
+
+# -- JSON and Markdown -------------------------------------------------------------------------
+
+def _sweep_dict(sweep: SweepResult | None) -> dict | None:
+    if sweep is None:
+        return None
+    return {"status": sweep.status, "reason": sweep.reason, "max_abs_error": sweep.max_abs,
+            "positions": sweep.positions, "out_of_range_positions": sweep.out_of_range,
+            "error_by_position": sweep.position_error.buckets()}
+
+
+def report_dict(report: CheckReport) -> dict:
+    return {
+        "model": report.model,
+        "reference": report.reference,
+        "compared_with_an_independent_reference": report.independent,
+        "preset": report.preset or None,
+        "dtype": report.dtype,
+        "tolerance": asdict(report.tolerance),
+        "tolerance_rule": "|actual - reference| <= atol + rtol * |reference|, elementwise",
+        "inputs": report.inputs,
+        "cases": report.cases,
+        "notes": report.notes,
+        "passed": report.passed,
+        "cache_tables": [asdict(t) for t in report.tables],
+        "runners": [
+            {
+                "runner": r.runner,
+                "status": r.status,
+                "reason": r.reason,
+                "latency_ms_median": r.latency_ms,
+                "max_abs_error": r.max_abs,
+                "cases": {case: [asdict(s) for s in stats] for case, stats in r.cases.items()},
+                "error_by_position": r.position_error.buckets(),
+                "rotary_sweep": _sweep_dict(r.sweep),
+            }
+            for r in report.runners
+        ],
+    }
+
+
+def _cell(value, fmt="{:.3g}") -> str:
+    return "" if value is None else fmt.format(value)
+
+
+def report_markdown(report: CheckReport) -> str:
+    comparison = ("against " + report.reference if report.independent else
+                  f"**the runners compared with each other, not with PyTorch**: {report.reference}")
+    lines = [
+        f"# rope-export check: {report.model}",
+        "",
+        f"{report.dtype}, {comparison}; tolerance atol={report.tolerance.atol:g}, rtol={report.tolerance.rtol:g}. "
+        f"Result: **{'PASS' if report.passed else 'FAIL'}**.",
+        "",
+        f"Inputs: {report.inputs}. Cases: {', '.join(report.cases)}.",
+        "",
+        "| runner | status | max abs error | worst case/output | rotary nodes alone | median latency | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report.runners:
+        worst = max(((c, s) for c, stats in r.cases.items() for s in stats), key=lambda cs: cs[1].max_abs,
+                    default=None)
+        sweep = "" if r.sweep is None else f"{r.sweep.status}" + (
+            f", {r.sweep.positions} positions, max {_cell(r.sweep.max_abs)}" if r.sweep.positions else "")
+        lines.append(f"| {r.runner} | {r.status} | {_cell(r.max_abs)} | "
+                     f"{'' if worst is None else f'{worst[0]}/{worst[1].output}'} | {sweep} | "
+                     f"{_cell(r.latency_ms, '{:.2f} ms')} | {r.reason} |")
+    if report.tables:
+        lines += ["", "## Stored cos/sin caches, every row", ""]
+        for t in report.tables:
+            lines.append(f"- `{t.name}` ({t.role}, {t.rows} rows) against {t.against}: "
+                         + ("pass" if t.passed else f"**FAIL**: {t.message()}") + f", max abs {t.max_abs:.3g}")
+    for title, getter in (("whole model, stress cases", lambda r: r.position_error),
+                          ("rotary nodes alone", lambda r: r.sweep.position_error if r.sweep else None)):
+        rows = [(r.runner, getter(r).buckets()) for r in report.runners if getter(r) is not None and getter(r).worst]
+        if rows:
+            lines += ["", f"## Max abs error by position ({title})", ""]
+            for runner, buckets in rows:
+                lines.append(f"- **{runner}**: " + ", ".join(f"{b['label']}: {b['max_abs']:.2g}" for b in buckets))
+    if report.notes:
+        lines += ["", "## Notes", "", *(f"- {n}" for n in report.notes)]
+    return "\n".join(lines) + "\n"
+
+
+# -- the plot ----------------------------------------------------------------------------------
+
+def plot_error_vs_position(report: CheckReport, path: str | os.PathLike) -> bool:
+    """A PNG of max abs error per position bucket per runner; False when matplotlib is missing."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return False
+    sweep_tol = report.sweep_tolerance or report.tolerance
+    panels = [("whole model on the stress cases", report.tolerance, f"max |runner - {report.against}|",
+               [(r, r.position_error) for r in report.runners]),
+              ("each rotary node alone, every position", sweep_tol, "max |runner - expected rotation|",
+               [(r, r.sweep.position_error) for r in report.runners if r.sweep is not None])]
+    panels = [(t, tol, label, [(r, e) for r, e in series if e.worst]) for t, tol, label, series in panels]
+    panels = [p for p in panels if p[3]] or panels[:1]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.6 * len(panels)), dpi=110, squeeze=False)
+    styles = ["o-", "s--", "^-.", "D:", "v-"]  # runners that agree exactly stay visible on top of each other
+    for ax, (title, tol, ylabel, series) in zip(axes[:, 0], panels, strict=True):
+        buckets = sorted({b for _, e in series for b in e.worst})
+        index = {b: i for i, b in enumerate(buckets)}
+        for k, (r, errors) in enumerate(series):
+            xs = [index[b] for b in sorted(errors.worst)]
+            ys = [max(errors.worst[b], 1e-12) for b in sorted(errors.worst)]  # log axis: exact zeros at the floor
+            ax.plot(xs, ys, styles[k % len(styles)], linewidth=1.2, markersize=9 - 1.5 * k, alpha=0.85,
+                    label=f"{r.runner} ({r.status if 'whole' in title else r.sweep.status})")
+        ax.axhline(tol.atol, color="gray", linestyle="--", linewidth=1, label=f"atol {tol.atol:g}")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(buckets)))
+        ax.set_xticklabels([bucket_label(b) for b in buckets], rotation=45, ha="right", fontsize=7)
+        ax.set_xlabel("position (power-of-two buckets)")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(f"{title} ({report.dtype}); exact 0 drawn at 1e-12", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{report.model}: error against position", fontsize=10)
+    fig.tight_layout()
+    save_png(fig, path)
+    return True
+
+
+def write_reports(report: CheckReport, directory: str | os.PathLike) -> list[Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = [directory / "check.json", directory / "check.md"]
+    atomic_write_text(written[0], json.dumps(report_dict(report), indent=2) + "\n")
+    atomic_write_text(written[1], report_markdown(report))
+    if plot_error_vs_position(report, directory / "error_vs_position.png"):
+        written.append(directory / "error_vs_position.png")
+    return written
+
+
+def print_report(report: CheckReport, console) -> None:
+    from rich.table import Table
+
+    title = (f"{report.model} ({report.dtype}) against {report.against}" if report.independent else
+             f"{report.model} ({report.dtype}): runners compared with {report.against}, not with PyTorch")
+    table = Table(title=f"{title}, atol {report.tolerance.atol:g} rtol {report.tolerance.rtol:g}")
+    for column in ("runner", "status", "max abs error", "rotary nodes alone", "median latency"):
+        table.add_column(column)
+    styles = {"pass": "green", "FAIL": "bold red", "skipped": "yellow", "golden": "cyan"}
+    for r in report.runners:
+        sweep = "" if r.sweep is None or r.sweep.status == "skipped" else (
+            f"[{styles[r.sweep.status]}]{r.sweep.status}[/{styles[r.sweep.status]}]"
+            + (f" ({r.sweep.positions} positions)" if r.sweep.positions else ""))
+        table.add_row(r.runner, f"[{styles[r.status]}]{r.status}[/{styles[r.status]}]", _cell(r.max_abs), sweep,
+                      _cell(r.latency_ms, "{:.2f} ms"))
+    console.print(table)
+    for r in report.runners:  # notes below the table: skip reasons are sentences, not cells
+        if r.reason:
+            console.print(f"  {r.runner}: {r.reason}", markup=False, highlight=False, soft_wrap=True)
+    for t in report.tables:
+        if not t.passed:
+            console.print(f"  {t.message()}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"  reference: {report.reference}", markup=False, highlight=False, soft_wrap=True)
+    for note in report.notes:
+        console.print(f"  note: {note}", markup=False, highlight=False, soft_wrap=True)

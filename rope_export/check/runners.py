@@ -1,0 +1,180 @@
+"""The runners ``check`` drives, built one at a time for a ModelFile, each skipped with its reason.
+
+* ``onnx-reference``: onnx.reference (our op by a NumPy kernel); needs the ModelProto in memory,
+  so it is skipped above ``max_in_memory`` bytes of weights.
+* ``cpu-twin``: the same with every rotary node run by the plugin's CPU twin (same limit).
+* ``onnxruntime-cpu`` / ``-cuda``: a session on the file's path (weights never pass through a
+  ModelProto); a custom-op file is lowered to the standard op in memory, the graph only, and its
+  session reads the weights from the original folder.
+* ``tensorrt``: an engine built with the rotary plugin, where TensorRT and a GPU are present.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from rope_export.check.graph import rotary_nodes
+from rope_export.check.model_file import CheckError, ModelFile, gib, tensor_nbytes
+
+RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
+MAX_IN_MEMORY = 1 << 30  # weights above this stay on disk: runners that need a ModelProto are skipped
+
+
+class Skip(Exception):
+    """This runner cannot run this file here; the message says why (and what can)."""
+
+
+def check_runner_names(names) -> None:
+    for name in names:
+        if name not in RUNNERS:
+            raise CheckError(f"unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
+
+
+def _kinds(mf: ModelFile) -> set[str]:
+    return {r.kind for r in rotary_nodes(mf.proto.graph)}
+
+
+def _needs_proto(mf: ModelFile, name: str, max_in_memory: int) -> None:
+    if mf.external and mf.weight_bytes > max_in_memory:
+        raise Skip(f"{name} needs the whole model in memory as a ModelProto ({gib(mf.weight_bytes)} of weights, "
+                   f"more than the {gib(max_in_memory)} check loads; --max-in-memory GB raises it); onnxruntime runs "
+                   "this file from its path")
+
+
+def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, cases=(),
+                max_in_memory: int = MAX_IN_MEMORY, memory_limit: int | None = None):
+    """(a polygraphy runner, a note on how it runs the file), or raise Skip."""
+    from rope_export.runners import CpuTwinRunner, OnnxReferenceRunner
+
+    kinds = _kinds(mf)
+    if name == "onnx-reference":
+        if "ort" in kinds or any(n.domain == "com.microsoft" for n in mf.proto.graph.node):
+            raise Skip("onnx.reference has no com.microsoft kernels; use onnxruntime-cpu for this file")
+        _needs_proto(mf, name, max_in_memory)
+        return OnnxReferenceRunner(mf.full_proto()), ""
+    if name == "cpu-twin":
+        if not kinds & {"rope_export", "trt-plugin"}:
+            raise Skip("no rope_export or trt-plugin rotary node for the twin to run (the file was lowered to "
+                       "another target)")
+        from rope_export import plugin
+
+        try:
+            plugin.twin()
+        except (FileNotFoundError, OSError) as exc:
+            raise Skip(str(exc)) from None
+        _needs_proto(mf, name, max_in_memory)
+        return CpuTwinRunner(mf.full_proto()), ""
+    if name in ("onnxruntime-cpu", "onnxruntime-cuda"):
+        if name == "onnxruntime-cpu" and memory_limit is not None and ort_cpu_bytes(mf) > memory_limit:
+            raise Skip(f"onnxruntime's CPU session would take about {gib(ort_cpu_bytes(mf))} for "
+                       f"{gib(mf.weight_bytes)} of weights (it keeps a float32 copy of half-precision weights), "
+                       f"more than the {gib(memory_limit)} allowed (--memory-limit GB)")
+        return _onnxruntime(mf, name, kinds)
+    if name == "tensorrt":
+        from rope_export import trt
+
+        reason = trt.tensorrt_unavailable_reason()
+        if reason:
+            raise Skip(reason)
+        _needs_proto(mf, name, max_in_memory)
+        return _tensorrt_runner(mf, plugin_library, cases), " (engine built with the rotary plugin)"
+    raise CheckError(f"unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
+
+
+HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def ort_cpu_bytes(mf: ModelFile) -> int:
+    """About what onnxruntime's CPU session holds: the weights, plus a float32 copy of half-precision ones
+    (measured: 6.1 GB for a Llama-3.2-1B-shaped fp16 file of 2.3 GB, on a CPU without fp16 GEMM)."""
+    half = sum(tensor_nbytes(t) for t in mf.proto.graph.initializer if t.data_type in HALF_TYPES)
+    return int(1.2 * (mf.weight_bytes - half) + 3 * half)
+
+
+def _onnxruntime(mf: ModelFile, name: str, kinds: set[str]):
+    import onnxruntime as ort
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    from rope_export.runners import cuda_available_for_onnxruntime
+
+    if name == "onnxruntime-cuda" and not cuda_available_for_onnxruntime():
+        raise Skip("onnxruntime has no CUDA execution provider here (install rope-export[gpu] on a GPU machine)")
+    if "trt-plugin" in kinds:
+        raise Skip("onnxruntime cannot run the TensorRT plugin node; use cpu-twin or tensorrt for this file")
+    if any(s.elem_type == onnx.TensorProto.BFLOAT16 for s in mf.inputs):
+        raise Skip("onnxruntime's Python API takes no bfloat16 inputs (NumPy has no bfloat16 it converts); use "
+                   "onnx-reference, cpu-twin or tensorrt for this file")
+    provider = "CUDAExecutionProvider" if name == "onnxruntime-cuda" else "CPUExecutionProvider"
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    note, model = "", None
+    if "rope_export" in kinds:
+        from rope_export.passes import lower
+
+        try:
+            model = lower(mf.proto, "onnx").SerializeToString()  # the graph only when the weights are external
+        except (ValueError, NotImplementedError) as exc:
+            raise Skip(f"the custom op cannot be lowered for onnxruntime: {exc}") from None
+        note = " (custom op lowered in memory to the standard op)"
+    elif mf.path is None:
+        model = mf.proto.SerializeToString()
+    if model is not None and mf.external:
+        # the lowered graph names the original data file: let the session find it in the model's folder
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(mf.base_dir))
+    source = model if model is not None else str(mf.path)
+    if mf.external and model is None:
+        note = " (session on the file's path; weights read from its external data)"
+
+    try:
+        session = ort.InferenceSession(source, options, providers=[provider])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
+        message = str(exc).strip().splitlines()[0][:300]
+        if "NOT_IMPLEMENTED" in message:  # no kernel for an op/type here: it cannot run the file, it did not disagree
+            raise Skip(f"onnxruntime has no kernel for part of this file here: {message}") from None
+        raise RuntimeError(f"onnxruntime cannot load the file: {message}") from None
+    return OnnxrtRunner(session, name=name), note
+
+
+def _tensorrt_runner(mf: ModelFile, plugin_library: str | None, cases):
+    """Lower to the plugin form, build an engine whose profile covers the cases, wrap it."""
+    import tempfile
+
+    import onnx
+    from polygraphy.backend.trt import TrtRunner
+
+    from rope_export import trt
+    from rope_export.passes import lower
+
+    plugin = plugin_library or str(trt.default_plugin_library())
+    model = mf.full_proto()
+    lowered = lower(model, "trt-plugin") if "rope_export" in _kinds(mf) else model
+    shapes = {}
+    for name in cases[0].feeds:
+        dims = np.array([case.feeds[name].shape for case in cases])
+        low = tuple(int(d) for d in dims.min(axis=0))
+        high = tuple(int(d) for d in dims.max(axis=0))
+        shapes[name] = (low, high, high)
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx.save_model(lowered, f"{tmp}/model.onnx", save_as_external_data=mf.external)
+        engine_path = trt.build_engine(f"{tmp}/model.onnx", f"{tmp}/model.engine", [plugin], shapes)
+        engine = trt.load_engine(engine_path, [plugin])
+    return TrtRunner(engine, name="tensorrt")
+
+
+def run_cases(runner, cases) -> tuple[list[dict[str, np.ndarray]], float | None]:
+    """Every case through polygraphy's Comparator (one warm-up); outputs per case and median latency (ms)."""
+    from polygraphy.comparator import Comparator
+    from polygraphy.logger import G_LOGGER
+
+    with G_LOGGER.verbosity(G_LOGGER.ERROR):
+        results = Comparator.run([runner], data_loader=[case.feeds for case in cases], warm_up=1)
+    ((_, iterations),) = results.items()
+    outputs = [{k: np.asarray(v.numpy() if hasattr(v, "numpy") else v) for k, v in it.items()} for it in iterations]
+    times = [it.runtime for it in iterations if it.runtime is not None]
+    return outputs, (float(np.median(times)) * 1e3 if times else None)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}".rstrip(": ")
