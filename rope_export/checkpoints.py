@@ -119,13 +119,17 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
     """``auto_class``'s model of ``config`` in ``dtype``: random (``seed``) or from the folder ``weights``."""
     if weights is not None:
         plan = _checkpoint_plan(Path(weights))
-    with parameters_on_meta():
-        model = auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-    # Sized while the parameters are still on meta: a vocab_size of 1e10 is refused before anything is allocated.
+    # Sized first with everything on the meta device: a module may allocate a parameter on the CPU before
+    # registering it (nn.Embedding does), so a vocab_size of 1e10 must be refused before the build below.
+    with torch.device("meta"):
+        sizing = auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     check_allocation(f"the {config.model_type} model",
                      {"parameters and buffers": sum(t.numel() * t.element_size()
-                                                    for t in (*model.parameters(), *model.buffers()))},
+                                                    for t in (*sizing.parameters(), *sizing.buffers()))},
                      "check the config's sizes (vocab_size, hidden_size, num_hidden_layers, ...)")
+    del sizing
+    with parameters_on_meta():
+        model = auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     if weights is None:
         allocated = materialize(model, dtype)
         detail(progress, f"initializing {gb(allocated)} of random weights")

@@ -19,15 +19,16 @@ import onnx
 import pytest
 
 from rope_export import export as export_module
+from rope_export import onnx_files
 
 CACHE_LEN = 262144  # 16 MB of float32 cos/sin: the write takes long enough to be caught in the act
 SMALL_THRESHOLD = 1 << 20  # external data from 1 MB on (instead of 2 GB), set in the child process
 
 CHILD = """
 import sys
-import rope_export.export as export
+import rope_export.onnx_files as onnx_files
 if sys.argv[1] == "external":
-    export.EXTERNAL_DATA_THRESHOLD = {threshold}
+    onnx_files.EXTERNAL_DATA_THRESHOLD = {threshold}
 from rope_export.cli import main
 raise SystemExit(main(sys.argv[2:]))
 """
@@ -97,7 +98,7 @@ def test_sigterm_during_an_external_data_write_keeps_the_earlier_pair_whole(tmp_
     the new model with the new data): never the new model over the old data."""
     out = tmp_path / "model.onnx"
     data = tmp_path / "model.onnx.data"
-    monkeypatch.setattr(export_module, "EXTERNAL_DATA_THRESHOLD", SMALL_THRESHOLD)
+    monkeypatch.setattr(onnx_files, "EXTERNAL_DATA_THRESHOLD", SMALL_THRESHOLD)
     export_module.export("tiny", out, seed=0, cache_len=CACHE_LEN)
     assert data.is_file()
     old_model, old_data = out.read_bytes(), data.read_bytes()
