@@ -368,7 +368,12 @@ nvinfer1::IPluginV3* RotaryPlugin::attachToContext(nvinfer1::IPluginResourceCont
 nvinfer1::PluginFieldCollection const* RotaryPlugin::getFieldsToSerialize() noexcept
 {
     Field fields[kNumFields];
-    serialize_fields(mAttrs, mValues, fields);
+    std::string err;
+    if (!serialize_fields(mAttrs, mValues, fields, err)) // cannot happen for attributes parse_fields accepted
+    {
+        error("getFieldsToSerialize: " + err);
+        return nullptr;
+    }
     for (int32_t k = 0; k < kNumFields; ++k)
     {
         mFields[k] = nvinfer1::PluginField(

@@ -146,7 +146,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
                                            config.profile_runs, say),
         "twin": lambda: twin.run_section(table_cases, config.rounds, say),
         "gpu": lambda: gpu.run_section(config.mode, say),  # its own cases (issue 17): prefill 4096, decode 64
-        "kernels": lambda: kernels.static_report(),
+        "kernels": lambda: kernels.static_report(kernels.archs_for(config.mode)),
         "scale": lambda: scale.run_section(config.scale_sizes, Path(config.scale_dir or "out/bench/scale-work"),
                                            reps=config.scale_reps, keep=config.scale_keep, check=config.scale_check,
                                            say=say),

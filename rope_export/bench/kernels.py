@@ -26,9 +26,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from rope_export.plugin import source_root
+from rope_export.plugin import CUDA_ARCHS, source_root
 
-DEFAULT_ARCHS = (80, 90)
+DEFAULT_ARCHS = (80, 90)  # --quick and --smoke: two architectures keep the compile under a minute
 CUDA_BIN_DIRS = ("/usr/local/cuda/bin",)
 NVCC_FLAGS = ["-std=c++17", "-O3", "-Xcompiler=-fPIC,-fvisibility=hidden", "-Xptxas=-v", "--display-error-number"]
 
@@ -181,6 +181,11 @@ def nvcc_version(nvcc: str) -> str:
     proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
     m = re.search(r"release ([\d.]+), (V[\d.]+)", proc.stdout)
     return f"{m[1]} ({m[2]})" if m else proc.stdout.strip().splitlines()[-1]
+
+
+def archs_for(mode: str) -> tuple[int, ...]:
+    """The full run reports every architecture the plugin is built for; the short modes two of them."""
+    return CUDA_ARCHS if mode == "full" else DEFAULT_ARCHS
 
 
 def static_report(archs=DEFAULT_ARCHS) -> dict:
