@@ -1,18 +1,22 @@
-"""A model honestly past protobuf's 2 GB limit, end to end (slow: ``make test-slow``, about 6-10 minutes).
+"""A model honestly past protobuf's 2 GB limit, end to end (slow: ``make test-slow``, about 10-15 minutes).
 
 Three Llama-3.1-8B layers with tied embeddings in fp16: 1.18 B parameters, 2.36 GB of weights, the
 smallest real-shaped model past 2**31 bytes. Each step runs in its own process, as the scale
 benchmark runs it (``rope_export.bench.scale.run_size``): ``export --hf``, ``lower`` to every
-target, a plain ``torch.onnx.export`` of the same model and ``fuse`` on it. After each step the
-files are checked: onnx.checker on the path, the weights past the 2 GB offset are the model's
-(export) or the input's (lower), the rotary nodes are where they should be. ``check`` at real size
-is not wired yet (``scale.CHECK_COMMAND``): the step is recorded as skipped until it is.
+target, a plain ``torch.onnx.export`` of the same model and ``fuse`` on it, and ``check`` of the
+exported file against transformers. After each step the files are checked: onnx.checker on the
+path, the weights past the 2 GB offset are the model's (export) or the input's (lower), the rotary
+nodes are where they should be; the check's report says it passed against transformers. The check
+runs onnxruntime in pieces of at most 2 GB (``--piece-limit 2``: one session would take about
+7 GB), the path an 8B-class file takes on a 24 GB machine.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +72,23 @@ def assert_export_holds_the_models_weights(path: Path, config: Path) -> None:
     gc.collect()
 
 
-def test_a_model_past_2gb_exports_lowers_and_fuses(tmp_path):
+def assert_checked_against_transformers(reports: Path) -> None:
+    report = json.loads((reports / "check.json").read_text())
+    assert report["passed"] and report["reference"].startswith("transformers Llama (fp16, random weights, seed 0")
+    runners = {r["runner"]: r for r in report["runners"]}
+    ort = runners["onnxruntime-cpu"]
+    assert ort["status"] == "pass" and ort["max_abs_error"] is not None
+    pieces = re.search(r"run in (\d+) pieces", ort["reason"])
+    assert pieces and int(pieces.group(1)) >= 4, ort["reason"]
+    assert {"prefill", "long-sequence", "decode-end-of-positions"} <= set(ort["cases"])
+    outputs = {s["output"] for stats in ort["cases"].values() for s in stats}
+    assert outputs == {"logits", *(f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value"))}
+    for name in ("onnx-reference", "cpu-twin"):  # the whole model stays on disk; every rotary node runs alone
+        assert runners[name]["status"] == "skipped" and runners[name]["rotary_sweep"]["status"] == "pass"
+        assert runners[name]["rotary_sweep"]["positions"] == scale.SIZES["2gb"]["max_position_embeddings"]
+
+
+def test_a_model_past_2gb_exports_lowers_fuses_and_checks(tmp_path):
     work = Path(os.environ.get("ROPE_EXPORT_SLOW_DIR") or tmp_path)
     plan = {**scale.weight_plan("2gb"), "work": str(work)}
     assert plan["weight_bytes"] > TWO_GB
@@ -95,11 +115,14 @@ def test_a_model_past_2gb_exports_lowers_and_fuses(tmp_path):
         elif name == "fuse":
             assert_is_a_big_external_file(outputs[0])
             assert rotary_nodes(outputs[0]) == {contract.DOMAIN: 2 * LAYERS}
+        elif name == "check":
+            assert_checked_against_transformers(outputs[0])
 
-    result = scale.run_size("2gb", work, check=True, after_step=after_step)
+    result = scale.run_size("2gb", work, check_args=("--piece-limit", "2"), after_step=after_step)
     assert result["status"] == "measured", result.get("reason")
-    assert seen == ["warm-up", "plain export", "export --hf", *(f"lower {t}" for t in scale.TARGETS), "fuse"]
+    assert seen == ["warm-up", "plain export", "export --hf", *(f"lower {t}" for t in scale.TARGETS), "fuse", "check"]
     check = result["steps"][-1]
-    assert check["step"] == "check" and ("skipped" in check) == (scale.CHECK_COMMAND is None)
+    assert check["step"] == "check" and check["note"].startswith("passed against transformers")
+    assert any(s["name"].startswith("[3/5] onnxruntime-cpu: piece 1/") for s in result["check_steps"])
     leftovers = sorted(p.name for p in work.iterdir() if p.suffix in (".onnx", ".data", ".tmp"))
     assert leftovers == [], f"files left in {work}: {leftovers}"

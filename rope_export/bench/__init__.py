@@ -13,7 +13,7 @@ comparison a ratio of two runners measured in the same rounds (``rope_export.ben
    events; runs only with a GPU, otherwise reported as skipped with the reason (never zeros);
 5. ``kernels``: ptxas registers/spills/shared memory and 128-bit global accesses of every kernel;
 6. ``scale`` (only when asked for, ``--sections scale``): a real-size transformers model (1B-class,
-   8B-class with ``--scale-sizes 8b``) exported, lowered and fused, each step in its own process,
+   8B-class with ``--scale-sizes 8b``) exported, lowered, fused and checked, each step in its own process,
    wall time and peak RSS beside a plain ``torch.onnx.export`` (``rope_export.bench.scale``).
 
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` (atomically) into ``--out`` (default
@@ -81,7 +81,7 @@ class BenchConfig:
     scale_dir: str | None = None  # default: OUT/scale-work
     scale_reps: int = 1
     scale_keep: bool = False
-    scale_check: bool = False
+    scale_check: bool = True
 
     @classmethod
     def for_mode(cls, mode: str = "quick", threads: int = 2, rounds: int | None = None,
@@ -184,9 +184,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale.add_argument("--scale-dir", default=None,
                        help="folder for the model files (default OUT/scale-work; needs about 3x the weights free)")
     scale.add_argument("--scale-keep", action="store_true", help="keep the exported and lowered files")
-    scale.add_argument("--scale-check", action="store_true",
-                       help="also run rope-export check at real size (once rope_export.bench.scale.CHECK_COMMAND "
-                            "is set)")
+    scale.add_argument("--scale-no-check", dest="scale_check", action="store_false",
+                       help="leave out the last step, rope-export check of the exported file against transformers")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"folder for bench.json, bench.md, bench.png (default {DEFAULT_OUT})")
     parser.add_argument("--plot", default=None, metavar="PNG",

@@ -10,14 +10,17 @@ weights), then runs each step in its own process, so that each peak RSS is that 
 2. ``export --hf``: ``rope-export export --hf CONFIG --dtype fp16`` (one rotary node per tensor);
 3. ``lower <target>`` for every target, on the file of step 2;
 4. ``fuse``: ``rope-export fuse`` on the plain export of step 1;
-5. ``check``: not wired yet; ``CHECK_COMMAND`` is where ``rope-export check`` at real size goes.
+5. ``check``: ``rope-export check`` of the file of step 2 against transformers (the model rebuilt from
+   the config and seed the file records), every runner, with its own step log (``--summary-json``);
+   onnxruntime runs in pieces where one session would not fit (``rope_export.check.pieces``).
 
 Sizes (``SIZES``): ``1b`` (Llama-3.2-1B shape, 2.47 GB), ``8b`` (Llama-3.1-8B shape, 16.1 GB;
 behind ``--scale-sizes 8b``), and ``2gb`` (three Llama-3.1-8B layers with tied embeddings,
 2.36 GB: the smallest honest > 2 GB case, used by the slow test). Before a size runs, its memory
-and disk plan is compared with what the machine has free, and the size is skipped, with the
-reason, when it does not fit. Reported, not asserted: peak RSS of ``export --hf`` <= 1.3x the
-weight bytes and <= the plain export's, wall time <= 1.2x the plain export's.
+and disk plan (``memory_plan``: each step's peak on paper) is compared with what the machine has
+free, and the size is skipped, with the reason, when it does not fit. Reported, not asserted: peak
+RSS of ``export --hf`` <= 1.3x the weight bytes and <= the plain export's, wall time <= 1.2x the
+plain export's.
 
 ``python -m rope_export.bench.scale plain CONFIG_DIR OUT.onnx`` runs step 1 alone.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -35,6 +39,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rope_export.check.runners import PIECE_LIMIT
 from rope_export.steps import gb
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
@@ -55,11 +60,6 @@ SIZES: dict[str, dict] = {
     "2gb": {**_LLAMA_8B, "num_hidden_layers": 3, "tie_word_embeddings": True},
 }
 SIZE_NAMES = {"1b": "Llama-3.2-1B shape", "8b": "Llama-3.1-8B shape", "2gb": "3 Llama-3.1-8B layers, tied embeddings"}
-
-# Where `rope-export check` at real size plugs in: (model.onnx, config folder, work folder) -> the
-# command to run, or None while check cannot load a > 2 GB file by path with bounded memory.
-CHECK_COMMAND: Callable[[Path, Path, Path], list[str]] | None = None
-
 
 def write_config(size: str, folder: Path) -> Path:
     """``folder/config.json`` of ``size``; returns the folder."""
@@ -83,16 +83,45 @@ def weight_plan(size: str, dtype: str = "fp16") -> dict:
     params = list(model.parameters())  # tied parameters once
     item = DTYPES[dtype].itemsize
     return {"parameters": sum(p.numel() for p in params), "weight_bytes": sum(p.numel() for p in params) * item,
-            "largest_tensor_bytes": max(p.numel() for p in params) * item}
+            "largest_tensor_bytes": max(p.numel() for p in params) * item, "vocab": config.vocab_size,
+            "dtype": dtype}
+
+
+RUNTIME = 1.5e9  # Python, torch, transformers, onnx/onnxruntime and the graph, in every step's process
+CHECK_TOKENS = 2 * (3 * 16 + 128 + 2 * 16)  # tokens of check's default cases (batch 2): logits kept per token
+
+
+def memory_plan(plan: dict, dtype: str = "fp16") -> dict[str, float]:
+    """Each step's peak RSS on paper (bytes), from the weight plan.
+
+    * export: the weights once, one tensor in flight, the runtime;
+    * check, reference phase: the transformers model (the weights once, one tensor's worth of
+      initialization), its activations at the short default cases (a few MB), the outputs kept for
+      the comparison (logits of every case: ``CHECK_TOKENS`` x vocab, twice: expected and actual);
+    * check, runner phase: onnxruntime in pieces of at most ``runners.PIECE_LIMIT`` once one session
+      (3x the half-precision weights) does not fit, plus the runtime and those outputs;
+    * lower and fuse: the graph and the runtime (the weights stay on disk).
+    """
+    weights, largest = plan["weight_bytes"], plan["largest_tensor_bytes"]
+    outputs = 2 * CHECK_TOKENS * plan["vocab"] * _itemsize(dtype)
+    reference = weights + largest + RUNTIME + outputs
+    runners = min(3 * weights, PIECE_LIMIT) + RUNTIME + outputs
+    return {"export": weights + largest + RUNTIME, "check reference": reference, "check runners": runners,
+            "lower": RUNTIME}
+
+
+def _itemsize(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
 
 
 def fits(plan: dict) -> str:
     """'' when this machine has the memory and disk for the plan now, else why not."""
-    need_memory = plan["weight_bytes"] + plan["largest_tensor_bytes"] + 1.5e9  # weights once + one tensor + runtime
+    steps = memory_plan(plan, plan.get("dtype", "fp16"))
+    step, need_memory = max(steps.items(), key=lambda item: item[1])
     available = _mem_available()
     if available is not None and need_memory > available:
-        return (f"needs about {gb(need_memory)} of memory (weights once, one tensor in flight, 1.5 GB of runtime); "
-                f"{gb(available)} available now")
+        return (f"needs about {gb(need_memory)} of memory (its largest step, {step}: "
+                f"{', '.join(f'{k} {gb(v)}' for k, v in steps.items())}); {gb(available)} available now")
     need_disk = 3 * plan["weight_bytes"] + 1e9  # plain + ours + one lowered or fused file at a time
     free = shutil.disk_usage(plan["work"]).free
     if need_disk > free:
@@ -142,16 +171,17 @@ def _tail(log: str, lines: int = 3) -> str:
     return " | ".join(text[-lines:])
 
 
-def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False, check: bool = False,
-             say: Callable[[str], None] = lambda message: None,
+def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False, check: bool = True,
+             check_args: tuple[str, ...] = (), say: Callable[[str], None] = lambda message: None,
              after_step: Callable[[str, list[Path]], None] | None = None) -> dict:
     """Every step of the scale benchmark on ``size`` in ``work``; the JSON-ready result.
 
+    ``check_args`` are added to the ``rope-export check`` command (e.g. ``--piece-limit 2``).
     ``after_step(name, outputs)`` is called after each step, before its outputs may be removed
-    (the slow test inspects the files there)."""
+    (the slow test inspects the files there; the check step's output is its report folder)."""
     work.mkdir(parents=True, exist_ok=True)
     plan = {**weight_plan(size, dtype), "work": str(work)}
-    result = {"size": size, "shape": SIZE_NAMES[size], "dtype": dtype, **plan, "steps": []}
+    result = {"size": size, "shape": SIZE_NAMES[size], **plan, "memory_plan": memory_plan(plan, dtype), "steps": []}
     why_not = fits(plan)
     if why_not:
         return {**result, "status": "skipped", "reason": why_not}
@@ -189,13 +219,13 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
         record["note"] = _tail(record["log"], 1)
         if not keep:
             _remove(fused)
-        if check and CHECK_COMMAND is not None:
-            step("check", CHECK_COMMAND(model, config, work))
+        if check:
+            reports = work / "check-report"
+            record = step("check", check_command(model, reports, work / "check.summary.json", check_args), [reports])
+            record["note"] = check_note(reports / "check.json")
         else:
-            steps.append({"step": "check", "skipped": "rope-export check at real size is not wired in yet "
-                          "(rope_export.bench.scale.CHECK_COMMAND)" if check or CHECK_COMMAND is None else
-                          "not asked for (--scale-check)"})
-        for name in ("export.summary.json", "plain.summary.json"):
+            steps.append({"step": "check", "skipped": "left out (--scale-no-check)"})
+        for name in ("export.summary.json", "plain.summary.json", "check.summary.json"):
             if (work / name).is_file():
                 result[name.split(".")[0] + "_steps"] = json.loads((work / name).read_text())["steps"]
     except RuntimeError as exc:
@@ -205,6 +235,34 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
             for path in (model, plain):
                 _remove(path)
     return {**result, "status": "measured", "ratios": ratios(result)}
+
+
+def check_command(model: Path, reports: Path, summary: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """``rope-export check`` of the exported file against transformers (from the config and seed it records)."""
+    return _cli("check", str(model), "--report", str(reports), "--summary-json", str(summary), *extra)
+
+
+def check_note(report_json: Path) -> str:
+    """What the check found, in one line: each runner's status and largest error, how onnxruntime ran."""
+    try:
+        report = json.loads(report_json.read_text())
+    except (OSError, ValueError):
+        return "no check.json"
+    parts = []
+    for r in report.get("runners", []):
+        sweep = (r.get("rotary_sweep") or {}).get("status")
+        if r["status"] == "skipped" and sweep in (None, "skipped"):  # cannot run here at all (no GPU, no TensorRT)
+            continue
+        text = f"{r['runner']} {r['status']}"
+        if r.get("max_abs_error") is not None:
+            text += f" (max abs {r['max_abs_error']:.2g}"
+            pieces = re.search(r"run in (\d+) pieces", r.get("reason", ""))
+            text += f", {pieces.group(1)} pieces)" if pieces else ")"
+        if sweep:
+            text += f", nodes alone {sweep}"
+        parts.append(text)
+    verdict = "passed" if report.get("passed") else "FAILED"
+    return f"{verdict} against {report.get('reference', '?').split(' (')[0]}: " + "; ".join(parts)
 
 
 def _remove(path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The scale section as a rich table, Markdown and a PNG (time and peak RSS per step, ours beside plain)."""
+"""The scale section as a rich table, Markdown and a PNG (time and peak RSS per step, ours beside plain;
+the check's own steps; each step's peak on paper)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import statistics
 from rope_export.plotting import pyplot_or_none, save_png
 from rope_export.steps import gb
 
-PLAIN, OURS = "plain export", "export --hf"
+PLAIN, OURS, CHECK = "plain export", "export --hf", "check"
 
 
 def _rows(size: dict) -> list[tuple[str, str, str, str, str]]:
@@ -40,10 +41,18 @@ def _ratio_line(size: dict) -> str:
             f"({q['repetitions']} run(s) each, medians)")
 
 
+def _plan_line(size: dict) -> str:
+    plan = size.get("memory_plan")
+    if not plan:
+        return ""
+    return "peak RSS on paper (bytes of the plan checked before the run): " + ", ".join(
+        f"{step} {gb(n)}" for step, n in plan.items())
+
+
 def _inner(size: dict) -> list[tuple[str, str, str, str]]:
-    """(export, inner step, time, peak RSS) from the two exports' own step logs."""
+    """(command, inner step, time, peak RSS) from the two exports' and the check's own step logs."""
     out = []
-    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS)):
+    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS), ("check_steps", CHECK)):
         for s in size.get(key, []):
             out.append((label, s["name"], f"{s['seconds']:.1f} s", gb(s["peak_rss"])))
     return out
@@ -64,8 +73,10 @@ def print_section(section: dict, console) -> None:
             t.add_row(*row)
         console.print(t)
         console.print("   " + _ratio_line(size), highlight=False)
-        inner = Table(title=f"6. inside the two exports ({size['size']}): each export's own steps, RSS sampled")
-        for col in ("export", "step", "time", "peak RSS"):
+        console.print("   " + _plan_line(size), highlight=False)
+        inner = Table(title=f"6. inside the exports and the check ({size['size']}): each command's own steps, RSS "
+                            "sampled")
+        for col in ("command", "step", "time", "peak RSS"):
             inner.add_column(col)
         for row in _inner(size):
             inner.add_row(*row)
@@ -81,7 +92,8 @@ def markdown(section: dict) -> list[str]:
         lines += [f"### {_title(size)}", "", "| step | wall time | peak RSS | RSS / weights | note |",
                   "|---|---:|---:|---:|---|"]
         lines += [f"| {' | '.join(row)} |" for row in _rows(size)]
-        lines += ["", _ratio_line(size), "", "| export | step | time | peak RSS |", "|---|---|---:|---:|"]
+        lines += ["", _ratio_line(size), "", _plan_line(size), "", "| command | step | time | peak RSS |",
+                  "|---|---|---:|---:|"]
         lines += [f"| {' | '.join(row)} |" for row in _inner(size)]
         lines.append("")
     return lines
@@ -97,7 +109,8 @@ def plot(section: dict, path: str | os.PathLike) -> bool:
     for row, size in zip(axes, sizes, strict=True):
         steps = [s for s in size["steps"] if "seconds" in s and s["step"] != "warm-up"]
         names = list(dict.fromkeys(s["step"] for s in steps))
-        colors = ["tab:gray" if n == PLAIN else "tab:blue" if n == OURS else "tab:green" for n in names]
+        colors = ["tab:gray" if n == PLAIN else "tab:blue" if n == OURS else "tab:orange" if n == CHECK else "tab:green"
+                  for n in names]
         seconds = [statistics.median(s["seconds"] for s in steps if s["step"] == n) for n in names]
         peaks = [statistics.median(s["peak_rss"] for s in steps if s["step"] == n) / 1e9 for n in names]
         row[0].bar(names, seconds, color=colors)

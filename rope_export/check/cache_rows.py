@@ -24,7 +24,7 @@ from rope_export.check.compare import PositionErrors, describe_ranges, row_range
 from rope_export.check.graph import CONTRACT_KINDS, RotarySlice, tables_by_shape
 from rope_export.check.inputs import InputPlan, Sizes, make_feeds
 from rope_export.check.model_file import ModelFile
-from rope_export.check.runners import Skip, first_line, make_runner
+from rope_export.check.runners import Limits, Skip, first_line, make_runner
 from rope_export.rope_types import RopeConfig, build_caches, inv_freq_and_scaling
 from rope_export.tolerances import tolerance
 
@@ -244,7 +244,7 @@ def _golden_for(sl: RotarySlice, mf: ModelFile, rope: RopeConfig | None, positio
         tables = tuple(torch.from_numpy(mf.tensor(stored[r]).astype(np.float32)) for r in ("cos", "sin"))
         return _Golden("tables", tables=tables, limit=limit), limit
     try:
-        runner, _ = make_runner("onnx-reference", ModelFile.open(sl.model), max_in_memory=max_in_memory)
+        runner, _ = make_runner("onnx-reference", ModelFile.open(sl.model), limits=Limits(max_in_memory=max_in_memory))
     except Skip as why:
         return None, f"no RoPE configuration or stored cache to compare with, and no golden ({why})"
     return _Golden("runner", runner=runner, limit=limit), limit or PEER_SWEEP
@@ -276,7 +276,7 @@ def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, rope: RopeC
                 continue
             try:
                 runners[name], _ = make_runner(name, slice_file, plugin_library=plugin_library,
-                                               max_in_memory=max_in_memory)
+                                               limits=Limits(max_in_memory=max_in_memory))
             except Skip as why:
                 results[name].reason = results[name].reason or str(why)
             except Exception as exc:  # noqa: BLE001

@@ -58,11 +58,18 @@ def register(subparsers) -> None:
                         help="skip running each rotary node alone over every position (the stored caches are still "
                              "compared row by row)")
     parser.add_argument("--memory-limit", type=_gigabytes, metavar="GB",
-                        help="refuse plans that would allocate more (default: half of this machine's memory)")
+                        help="refuse plans that would allocate more, and run onnxruntime CPU in pieces when one "
+                             "session would take more (default: the memory available when check starts)")
     parser.add_argument("--max-in-memory", type=_gigabytes, metavar="GB",
                         help="weights above this stay on disk: onnx-reference and cpu-twin, which need the whole "
-                             "ModelProto, are skipped (default 1)")
+                             "ModelProto, are skipped for the whole model (default 1)")
+    parser.add_argument("--piece-limit", type=_gigabytes, metavar="GB",
+                        help="run onnxruntime CPU in consecutive pieces, one session of at most this at a time, when "
+                             "one session would take more (default: only when one session exceeds --memory-limit, "
+                             "then pieces of at most 4 GB)")
     parser.add_argument("--report", metavar="DIR", help="write check.json, check.md and error_vs_position.png here")
+    parser.add_argument("--summary-json", metavar="PATH",
+                        help="write the time and peak RSS of each step (reference, each runner, each piece) as JSON")
     parser.add_argument("--plugin", metavar="LIB", help="TensorRT plugin library for the tensorrt runner")
     parser.set_defaults(func=_run)
 
@@ -72,18 +79,16 @@ def _run(args) -> int:
 
     from rope_export.check.core import check
     from rope_export.check.report import print_report, write_reports
+    from rope_export.steps import cli_steps
 
     console = Console()
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
-    with console.status("checking") as status:
-        def progress(message: str) -> None:
-            status.update(message)
-            console.log(message, markup=False, highlight=False)
-
+    with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
         report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,
                        seed=args.seed, inputs=args.inputs, batch=args.batch, seq=args.seq, past=args.past,
                        long_seq=args.long_seq, sweep=not args.no_sweep, plugin_library=args.plugin,
-                       memory_limit_gb=args.memory_limit, max_in_memory_gb=args.max_in_memory, progress=progress)
+                       memory_limit_gb=args.memory_limit, max_in_memory_gb=args.max_in_memory,
+                       piece_limit_gb=args.piece_limit, progress=progress)
     print_report(report, console)
     if args.report:
         for path in write_reports(report, args.report):

@@ -17,11 +17,13 @@ from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
 from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
 from rope_export.check.model_file import CheckError, ModelFile, free_memory, gib, memory_limit_bytes
+from rope_export.check.pieces import StreamedRunner
 from rope_export.check.references import _file_dtype, choose_reference
 from rope_export.check.report import CheckReport, RunnerReport
 from rope_export.check.runners import (
     MAX_IN_MEMORY,
     RUNNERS,
+    Limits,
     Skip,
     check_runner_names,
     first_line,
@@ -57,6 +59,7 @@ def check(
     plugin_library: str | None = None,
     memory_limit_gb: float | None = None,
     max_in_memory_gb: float | None = None,
+    piece_limit_gb: float | None = None,
     progress=None,
 ) -> CheckReport:
     """Run every runner on the file and compare with its reference (see ``rope_export.check``)."""
@@ -67,6 +70,7 @@ def check(
         raise CheckError("give either --reference OTHER.onnx or --hf CONFIG, not both")
     limit = memory_limit_bytes(memory_limit_gb)
     max_in_memory = MAX_IN_MEMORY if max_in_memory_gb is None else int(max_in_memory_gb * 2**30)
+    limits = Limits(limit, max_in_memory, None if piece_limit_gb is None else int(piece_limit_gb * 2**30))
     say(f"opening {model if not isinstance(model, onnx.ModelProto) else 'the model'}")
     mf = ModelFile.open(model)
     source = file_source(mf)
@@ -81,7 +85,7 @@ def check(
         metadata_notes.append(f"the file's metadata is not used: {exc}")
     ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
                                   hf_config=hf_config, weights=None if weights is None else str(weights), seed=seed,
-                                  reference_block=reference_block, max_in_memory=max_in_memory)
+                                  reference_block=reference_block, limits=limits)
     notes = metadata_notes + notes
     dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
     layers = _layers(mf)
@@ -142,8 +146,7 @@ def check(
             continue
         say(f"[{i}/{len(runners)}] {name}: preparing")
         try:
-            runner, note = make_runner(name, mf, plugin_library=plugin_library, cases=cases,
-                                       max_in_memory=max_in_memory, memory_limit=limit)
+            runner, note = make_runner(name, mf, plugin_library=plugin_library, cases=cases, limits=limits)
         except Skip as skip:
             reports.append(RunnerReport(name, "skipped", str(skip)))
             continue
@@ -153,11 +156,17 @@ def check(
         say(f"[{i}/{len(runners)}] {name}: running {len(cases)} cases{note}")
         started = time.perf_counter()
         try:
-            actual, latency = run_cases(runner, cases)
+            prefix = f"[{i}/{len(runners)}] {name}: "
+            actual, latency = run_cases(runner, cases, lambda message, prefix=prefix: say(prefix + message))
+        except Skip as skip:  # a piece onnxruntime has no kernel for
+            reports.append(RunnerReport(name, "skipped", str(skip)))
+            continue
         except Exception as exc:  # noqa: BLE001 - a runner that crashes is a failed comparison, named
             reports.append(RunnerReport(name, "FAIL", first_line(exc)))
             continue
         finally:
+            if isinstance(runner, StreamedRunner):
+                note = note.rstrip(")") + f"; {gib(runner.kept_bytes)} of values kept between pieces)"
             del runner
             mf.release()
             free_memory(mf.weight_bytes)

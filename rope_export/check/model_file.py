@@ -224,13 +224,13 @@ def _graph_only(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def memory_limit_bytes(limit_gb: float | None = None) -> int:
-    """The most ``check`` lets one allocation plan take: the flag, else half of this machine's memory."""
+    """The most ``check`` lets one plan take (a case's tensors, the reference model, one onnxruntime session):
+    the flag, else the memory available now (``bounds.available_memory``, as export's checks use)."""
     if limit_gb is not None:
         return int(limit_gb * 2**30)
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
-    except (ValueError, OSError, AttributeError):
-        return 16 * 2**30
+    from rope_export.bounds import available_memory
+
+    return available_memory() or 16 * 2**30
 
 
 def require_memory(what: str, nbytes: float, limit: int) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from rope_export.check.inputs import input_role
 from rope_export.check.metadata import HFInfo, PresetInfo
 from rope_export.check.model_file import CheckError, ModelFile, TensorSpec, free_memory
-from rope_export.check.runners import Skip, first_line, make_runner, run_cases
+from rope_export.check.runners import Limits, Skip, first_line, make_runner, run_cases
 from rope_export.export import DTYPES, INPUT_NAMES, OUTPUT_NAMES
 
 
@@ -225,13 +225,13 @@ def _describe(spec: TensorSpec) -> str:
 class OnnxFileReference(Reference):
     """``--reference OTHER.onnx`` run by onnxruntime on the same feeds."""
 
-    def __init__(self, mf: ModelFile, path, max_in_memory: int):
+    def __init__(self, mf: ModelFile, path, limits: Limits):
         try:
             self.other = ModelFile.open(path)
         except CheckError as exc:
             raise CheckError(f"--reference: {exc}") from None
         self.label = f"onnxruntime on {self.other.label}"
-        self.max_in_memory = max_in_memory
+        self.limits = limits
         mine = {s.name: s for s in mf.inputs}
         theirs = {s.name: s for s in self.other.inputs}
         if set(mine) != set(theirs):
@@ -257,11 +257,13 @@ class OnnxFileReference(Reference):
     def outputs(self, cases, say):
         say(f"running {self.label} on {len(cases)} cases")
         try:
-            runner, _ = make_runner("onnxruntime-cpu", self.other, max_in_memory=self.max_in_memory)
+            runner, note = make_runner("onnxruntime-cpu", self.other, limits=self.limits)
         except Skip as why:
             raise CheckError(f"--reference: onnxruntime cannot run it: {why}") from None
+        if note:
+            say(f"{self.label}:{note}")
         try:
-            results, _ = run_cases(runner, cases)
+            results, _ = run_cases(runner, cases, say)
         except Exception as exc:  # noqa: BLE001 - the reference file is the user's
             raise CheckError(f"--reference: onnxruntime failed on it: {first_line(exc)}") from None
         del runner
@@ -279,12 +281,12 @@ class GoldenRunnerReference(Reference):
 
     independent = False
 
-    def __init__(self, mf: ModelFile, max_in_memory: int, why: str):
-        self.mf, self.max_in_memory = mf, max_in_memory
+    def __init__(self, mf: ModelFile, limits: Limits, why: str):
+        self.mf = mf
         reasons = []
         for name in GOLDEN_ORDER:
             try:
-                self.runner, _ = make_runner(name, mf, max_in_memory=max_in_memory)
+                self.runner, self.note = make_runner(name, mf, limits=limits)
             except Skip as skip:
                 reasons.append(f"{name}: {skip}")
                 continue
@@ -297,9 +299,9 @@ class GoldenRunnerReference(Reference):
                       "PyTorch)")
 
     def outputs(self, cases, say):
-        say(f"running {self.golden_runner} (the golden) on {len(cases)} cases")
+        say(f"running {self.golden_runner} (the golden) on {len(cases)} cases{self.note}")
         try:
-            results, _ = run_cases(self.runner, cases)
+            results, _ = run_cases(self.runner, cases, say)
         except Exception as exc:  # noqa: BLE001
             raise CheckError(f"{self.golden_runner}, the golden, cannot run the file: {first_line(exc)}") from None
         del self.runner
@@ -309,19 +311,19 @@ class GoldenRunnerReference(Reference):
 
 def choose_reference(mf: ModelFile, *, source: str | None, preset: PresetInfo | None, hf_info: HFInfo | None,
                      reference_path=None, hf_config=None, weights=None, seed: int | None = None,
-                     reference_block=None, max_in_memory: int) -> tuple[Reference, list[str]]:
+                     reference_block=None, limits: Limits) -> tuple[Reference, list[str]]:
     """The reference for this file and flags, and notes for the report."""
     notes: list[str] = []
     ref = _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, reference_block,
-                  max_in_memory)
+                  limits)
     ref.weight_bytes = mf.weight_bytes
     return ref, notes
 
 
 def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, reference_block,
-            max_in_memory) -> Reference:
+            limits) -> Reference:
     if reference_path is not None:
-        return OnnxFileReference(mf, reference_path, max_in_memory)
+        return OnnxFileReference(mf, reference_path, limits)
     if hf_config is not None or (source == "transformers" and hf_info is not None):
         if hf_info is None:  # --hf on a file without transformers metadata
             hf_info = HFInfo(_file_dtype(mf), seed or 0, "hf-causal-lm", {}, None, None)
@@ -332,10 +334,10 @@ def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weigh
                                          weights if weights is not None else hf_info.weights)
         except _NoReference as why:
             notes.append(f"transformers is not the reference: {why}")
-            return GoldenRunnerReference(mf, max_in_memory, "no transformers reference for this file")
+            return GoldenRunnerReference(mf, limits, "no transformers reference for this file")
     if source == "preset" and preset is not None:
         return PresetReference(mf, preset, reference_block)
-    return GoldenRunnerReference(mf, max_in_memory, "the file has no rope_export metadata and no --reference or --hf "
+    return GoldenRunnerReference(mf, limits, "the file has no rope_export metadata and no --reference or --hf "
                                                     "was given")
 
 

@@ -5,20 +5,43 @@
 * ``cpu-twin``: the same with every rotary node run by the plugin's CPU twin (same limit).
 * ``onnxruntime-cpu`` / ``-cuda``: a session on the file's path (weights never pass through a
   ModelProto); a custom-op file is lowered to the standard op in memory, the graph only, and its
-  session reads the weights from the original folder.
+  session reads the weights from the original folder. When one CPU session would take more than
+  ``Limits.memory`` (or ``--piece-limit``), the model runs in consecutive pieces, one session at a
+  time (``pieces.py``).
 * ``tensorrt``: an engine built with the rotary plugin, where TensorRT and a GPU are present.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 
 from rope_export.check.graph import rotary_nodes
-from rope_export.check.model_file import CheckError, ModelFile, gib, tensor_nbytes
+from rope_export.check.model_file import CheckError, ModelFile, gib
+from rope_export.check.pieces import StreamedRunner, plan_pieces, session_costs
 
 RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
 MAX_IN_MEMORY = 1 << 30  # weights above this stay on disk: runners that need a ModelProto are skipped
+PIECE_LIMIT = 4 << 30  # onnxruntime CPU in pieces (when one session does not fit): at most this per piece
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The memory the runners may take."""
+
+    memory: int | None = None  # --memory-limit: no session (or piece) estimated above this is opened
+    max_in_memory: int = MAX_IN_MEMORY  # --max-in-memory: above this the runners that need a ModelProto skip
+    piece: int | None = None  # --piece-limit: onnxruntime CPU runs in pieces of this when one session is larger
+
+    def piece_budget(self, session: int) -> int | None:
+        """None: one session of ``session`` bytes; else the most each piece's session may take."""
+        if self.piece is not None and session > self.piece:
+            return self.piece
+        if self.memory is not None and session > self.memory:
+            return min(self.memory, PIECE_LIMIT)
+        return None
 
 
 class Skip(Exception):
@@ -42,16 +65,15 @@ def _needs_proto(mf: ModelFile, name: str, max_in_memory: int) -> None:
                    "this file from its path")
 
 
-def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, cases=(),
-                max_in_memory: int = MAX_IN_MEMORY, memory_limit: int | None = None):
-    """(a polygraphy runner, a note on how it runs the file), or raise Skip."""
+def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, cases=(), limits: Limits = Limits()):
+    """(a polygraphy runner, or a StreamedRunner, and a note on how it runs the file), or raise Skip."""
     from rope_export.runners import CpuTwinRunner, OnnxReferenceRunner
 
     kinds = _kinds(mf)
     if name == "onnx-reference":
         if "ort" in kinds or any(n.domain == "com.microsoft" for n in mf.proto.graph.node):
             raise Skip("onnx.reference has no com.microsoft kernels; use onnxruntime-cpu for this file")
-        _needs_proto(mf, name, max_in_memory)
+        _needs_proto(mf, name, limits.max_in_memory)
         return OnnxReferenceRunner(mf.full_proto()), ""
     if name == "cpu-twin":
         if not kinds & {"rope_export", "trt-plugin"}:
@@ -63,37 +85,27 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
             plugin.twin()
         except (FileNotFoundError, OSError) as exc:
             raise Skip(str(exc)) from None
-        _needs_proto(mf, name, max_in_memory)
+        _needs_proto(mf, name, limits.max_in_memory)
         return CpuTwinRunner(mf.full_proto()), ""
     if name in ("onnxruntime-cpu", "onnxruntime-cuda"):
-        if name == "onnxruntime-cpu" and memory_limit is not None and ort_cpu_bytes(mf) > memory_limit:
-            raise Skip(f"onnxruntime's CPU session would take about {gib(ort_cpu_bytes(mf))} for "
-                       f"{gib(mf.weight_bytes)} of weights (it keeps a float32 copy of half-precision weights), "
-                       f"more than the {gib(memory_limit)} allowed (--memory-limit GB)")
-        return _onnxruntime(mf, name, kinds)
+        return _onnxruntime(mf, name, kinds, limits)
     if name == "tensorrt":
         from rope_export import trt
 
         reason = trt.tensorrt_unavailable_reason()
         if reason:
             raise Skip(reason)
-        _needs_proto(mf, name, max_in_memory)
+        _needs_proto(mf, name, limits.max_in_memory)
         return _tensorrt_runner(mf, plugin_library, cases), " (engine built with the rotary plugin)"
     raise CheckError(f"unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
 
 
-HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-
-
 def ort_cpu_bytes(mf: ModelFile) -> int:
-    """About what onnxruntime's CPU session holds: the weights, plus a float32 copy of half-precision ones
-    (measured: 6.1 GB for a Llama-3.2-1B-shaped fp16 file of 2.3 GB, on a CPU without fp16 GEMM)."""
-    half = sum(tensor_nbytes(t) for t in mf.proto.graph.initializer if t.data_type in HALF_TYPES)
-    return int(1.2 * (mf.weight_bytes - half) + 3 * half)
+    """About what one onnxruntime CPU session on the whole file holds (``pieces.session_costs``)."""
+    return sum(session_costs(mf.proto.graph).values())
 
 
-def _onnxruntime(mf: ModelFile, name: str, kinds: set[str]):
-    import onnxruntime as ort
+def _onnxruntime(mf: ModelFile, name: str, kinds: set[str], limits: Limits):
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
     from rope_export.runners import cuda_available_for_onnxruntime
@@ -106,34 +118,67 @@ def _onnxruntime(mf: ModelFile, name: str, kinds: set[str]):
         raise Skip("onnxruntime's Python API takes no bfloat16 inputs (NumPy has no bfloat16 it converts); use "
                    "onnx-reference, cpu-twin or tensorrt for this file")
     provider = "CUDAExecutionProvider" if name == "onnxruntime-cuda" else "CPUExecutionProvider"
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    note, model = "", None
+    notes, model = [], None
     if "rope_export" in kinds:
         from rope_export.passes import lower
 
         try:
-            model = lower(mf.proto, "onnx").SerializeToString()  # the graph only when the weights are external
+            model = lower(mf.proto, "onnx")  # the graph only when the weights are external
         except (ValueError, NotImplementedError) as exc:
             raise Skip(f"the custom op cannot be lowered for onnxruntime: {exc}") from None
-        note = " (custom op lowered in memory to the standard op)"
-    elif mf.path is None:
-        model = mf.proto.SerializeToString()
-    if model is not None and mf.external:
-        # the lowered graph names the original data file: let the session find it in the model's folder
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(mf.base_dir))
-    source = model if model is not None else str(mf.path)
+        notes.append("custom op lowered in memory to the standard op")
+    # a graph given as bytes names the original data file: the session finds it in the model's folder
+    folder = mf.base_dir if mf.external else None
+    whole = ort_cpu_bytes(mf)
+    budget = limits.piece_budget(whole) if name == "onnxruntime-cpu" else None
+    if budget is not None:
+        runner, why = _streamed(mf, model if model is not None else mf.proto, folder, provider, name, whole, budget,
+                                limits)
+        return runner, _parenthesis([*notes, why])
+    if model is None and mf.path is None:
+        model = mf.proto
     if mf.external and model is None:
-        note = " (session on the file's path; weights read from its external data)"
+        notes.append("session on the file's path; weights read from its external data")
+    source = model.SerializeToString() if model is not None else str(mf.path)
+    session = open_session(source, folder if model is not None else None, provider)
+    return OnnxrtRunner(session, name=name), _parenthesis(notes)
 
+
+def _parenthesis(notes: list[str]) -> str:
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _streamed(mf, model, folder, provider, name, whole, budget, limits: Limits):
+    """onnxruntime in consecutive pieces (``pieces.py``) and how, or Skip when one node's weights alone do not fit."""
+    pieces = plan_pieces(model.graph, budget)
+    largest = max(p.session_bytes for p in pieces)
+    if limits.memory is not None and largest > limits.memory:
+        raise Skip(f"onnxruntime's CPU session would take about {gib(whole)} for {gib(mf.weight_bytes)} of weights "
+                   "(it keeps a float32 copy of half-precision weights), and even run in pieces one node's weights "
+                   f"take {gib(largest)}, more than the {gib(limits.memory)} allowed (--memory-limit GB)")
+    why = (f"--piece-limit {gib(limits.piece)}" if limits.piece is not None and whole > limits.piece
+           else f"the {gib(limits.memory)} allowed, --memory-limit")
+    how = (f"run in {len(pieces)} pieces, one session each, the largest about {gib(largest)}: one session would "
+           f"take about {gib(whole)}, more than {why}")
+    return StreamedRunner(model, folder, pieces, lambda data, where: open_session(data, where, provider), name), how
+
+
+def open_session(source, folder, provider: str):
+    """An onnxruntime session on a path or a serialized model whose external data lies in ``folder``; Skip
+    when onnxruntime has no kernel for part of it here."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     try:
-        session = ort.InferenceSession(source, options, providers=[provider])
+        return ort.InferenceSession(source, options, providers=[provider])
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
         message = str(exc).strip().splitlines()[0][:300]
         if "NOT_IMPLEMENTED" in message:  # no kernel for an op/type here: it cannot run the file, it did not disagree
             raise Skip(f"onnxruntime has no kernel for part of this file here: {message}") from None
         raise RuntimeError(f"onnxruntime cannot load the file: {message}") from None
-    return OnnxrtRunner(session, name=name), note
 
 
 def _tensorrt_runner(mf: ModelFile, plugin_library: str | None, cases):
@@ -162,8 +207,11 @@ def _tensorrt_runner(mf: ModelFile, plugin_library: str | None, cases):
     return TrtRunner(engine, name="tensorrt")
 
 
-def run_cases(runner, cases) -> tuple[list[dict[str, np.ndarray]], float | None]:
-    """Every case through polygraphy's Comparator (one warm-up); outputs per case and median latency (ms)."""
+def run_cases(runner, cases, say=lambda message: None) -> tuple[list[dict[str, np.ndarray]], float | None]:
+    """Every case through polygraphy's Comparator (one warm-up), or piece by piece through a StreamedRunner;
+    outputs per case and median latency (ms)."""
+    if isinstance(runner, StreamedRunner):
+        return runner.run_cases(cases, say)
     from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
 
