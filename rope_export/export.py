@@ -351,6 +351,11 @@ def register(subparsers) -> None:
                         help="also export the block with decomposed RoPE and report the node-count reduction")
     parser.add_argument("--verbose", action="store_true", help="show torch.onnx's own messages")
     parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    from rope_export.module_export import FACTORY_HELP
+
+    parser.add_argument("--module", metavar="SPEC", help=f"export any RoPE module instead of a preset: {FACTORY_HELP}")
+    parser.add_argument("--allow-decomposed", action="store_true",
+                        help="--module: write the file even if a rotation stayed decomposed (a warning, not an error)")
     from rope_export.hf import register_hf_arguments  # here, not at the top: rope_export.hf imports this module
 
     register_hf_arguments(parser)
@@ -365,6 +370,10 @@ def _run(args) -> int:
 
     if hf.wants_hf_export(args):
         return hf.run_hf_export(args)
+    if args.module:
+        from rope_export.module_export import run_module_export
+
+        return run_module_export(args)
     console = Console()
     with console.status("exporting") as status:
         def progress(message: str) -> None:

@@ -16,12 +16,17 @@ Every block computes ``q, k, v`` projections of ``x [B, S, HIDDEN]``, rotates q 
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
 import importlib.util
+import io
 import math
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -300,6 +305,18 @@ class SinusoidalAdded(nn.Module):
         return q + pe, k + pe
 
 
+class SequenceFirst(nn.Module):
+    """Megatron/GPT-NeoX original layout [S, B, H, D] (cos [S, 1, 1, D]): a rotation the op cannot
+    take (its sequence axis is 0), counted but left decomposed."""
+
+    layout = "sbhd"
+
+    def forward(self, q, k, pos):
+        a = torch.cat((angles(pos[:1]), angles(pos[:1])), dim=-1)[0][:, None, None, :]  # [S, 1, 1, D]
+        cos, sin = a.cos(), a.sin()
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 class MismatchedAngles(nn.Module):
     """Rotate-half arithmetic whose sin has twice cos's angles: not a rotation."""
 
@@ -332,9 +349,13 @@ class Block(nn.Module):
         v = self.wv(x).view(b, s, KV, D).transpose(1, 2)
         if self.layout == "bhsd":
             q, k = q.transpose(1, 2), k.transpose(1, 2)
+        elif self.layout == "sbhd":
+            q, k = q.transpose(0, 1), k.transpose(0, 1)
         q, k = self.rope(q, k, pos)
         if self.layout == "bshd":
             q, k = q.transpose(1, 2), k.transpose(1, 2)
+        elif self.layout == "sbhd":
+            q, k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)
         k_all, v_all = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
         weights = torch.softmax(q @ k_all.transpose(-1, -2) / math.sqrt(D), dim=-1)
         out = (weights @ v_all).transpose(1, 2).reshape(b, s, H * D)
@@ -365,6 +386,11 @@ FORMS: dict[str, Form] = {
     "nanochat_flipped": Form(lambda: TransformersFunction("nanochat"), 2, False),
 }
 
+# rotations the op cannot express: counted, left decomposed, and said so
+UNFUSABLE: dict[str, Form] = {
+    "sequence_first": Form(SequenceFirst, 2),
+}
+
 LOOK_ALIKES: dict[str, Form] = {
     "swiglu": Form(SwiGLU, 0),
     "sinusoidal_added": Form(SinusoidalAdded, 0),
@@ -374,7 +400,7 @@ LOOK_ALIKES: dict[str, Form] = {
 
 
 def block(name: str, seed: int = 0) -> Block:
-    form = FORMS.get(name) or LOOK_ALIKES[name]
+    form = FORMS.get(name) or LOOK_ALIKES.get(name) or UNFUSABLE[name]
     torch.manual_seed(seed)
     return Block(form.make(), seed).eval()
 
@@ -384,3 +410,28 @@ def example(batch: int = B, seq: int = S, offset: int = 0, seed: int = 1) -> tup
     x = torch.randn(batch, seq, HIDDEN, generator=torch.Generator().manual_seed(seed))
     pos = (torch.arange(seq) + offset).expand(batch, seq).contiguous()
     return x, pos
+
+
+@functools.cache
+def plain_export(name: str, opset: int = 18) -> onnx.ModelProto:
+    """A plain torch.onnx (dynamo) export of the block, batch and sequence dynamic (made once)."""
+    return export_plain(block(name), example(), opset)
+
+
+def export_plain(module: nn.Module, args: tuple, opset: int = 18) -> onnx.ModelProto:
+    """torch.onnx (dynamo) export of ``module(x, pos)``, batch and sequence dynamic."""
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, opset_version=opset, input_names=["x", "pos"],
+                                    output_names=["out", "k"], dynamic_shapes=({0: batch, 1: seq},) * 2)
+    return program.model_proto
+
+
+def torchtune_factory():
+    """For ``rope-export export --module tests/rope_blocks.py:torchtune_factory``."""
+    return block("torchtune"), example()
+
+
+def sequence_first_factory():
+    return {"module": block("sequence_first"), "args": example(), "input_names": ["x", "pos"]}

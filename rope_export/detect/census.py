@@ -77,7 +77,7 @@ def rotary_nodes(model: onnx.ModelProto) -> list[RotaryNode]:
     for node in _all_nodes(model):
         kind = _rotary_kind(node)
         if kind is not None:
-            path = _module_path(node)
+            path = module_path_of(node)
             found.append(RotaryNode(node.name, kind, path, layer_of(path)))
     return found
 
@@ -95,8 +95,10 @@ def compare_with_file(census: RotationCensus, onnx_model, *, allow_decomposed: b
     plain = census.plain
     report = CountReport(len(plain), len(nodes), dict(Counter(n.kind for n in nodes)), census.scaled)
     report.notes += census.notes
-    attributed = nodes and all(n.module_path is not None for n in nodes)
-    if attributed:
+    attributed = bool(nodes) and all(n.module_path is not None for n in nodes)
+    if not nodes:
+        report.missing += [s.describe() for s in plain]
+    elif attributed:
         want, have = census.by_layer(plain), Counter(n.layer for n in nodes)
         report.layers = {layer: (want.get(layer, 0), have.get(layer, 0)) for layer in sorted(
             set(want) | set(have), key=lambda v: (v is None, v))}
@@ -151,7 +153,7 @@ def _rotary_kind(node: onnx.NodeProto) -> str | None:
         node.domain)
 
 
-def _module_path(node: onnx.NodeProto) -> str | None:
+def module_path_of(node: onnx.NodeProto) -> str | None:
     """The module path from torch.onnx's name scopes: cumulative module names, the op last
     (``['', 'model', 'model.layers.0', 'model.layers.0.self_attn', 'mul_3']``)."""
     for prop in node.metadata_props:

@@ -34,7 +34,7 @@ from rope_export.passes._cos_sin import (
     table_traces,
     trace,
 )
-from rope_export.passes._probe import Probe
+from rope_export.passes._probe import EvaluationFailed, Probe
 from rope_export.passes._site import Candidate, Form, SkipSite, cast_chain, check_dtype, classify, layout_of
 from rope_export.passes._values import dim, dtype_of
 from rope_export.passes._verify import verify
@@ -186,7 +186,18 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
         memo_key = ("site", self.name, root)
         if memo_key not in self.memo:
             try:
-                self.memo[memo_key] = self._analyse(self._probe(model), bindings, root)
+                try:
+                    self.memo[memo_key] = self._analyse(self._probe(model), bindings, root)
+                except SkipSite as exc:
+                    if not isinstance(exc.__cause__, EvaluationFailed):
+                        raise
+                    # the sizes did not fit together: try the inputs' dims sized by axis
+                    if "probe_by_axis" not in self.memo:
+                        self.memo["probe_by_axis"] = self._probe(model).by_axis()
+                    try:
+                        self.memo[memo_key] = self._analyse(self.memo["probe_by_axis"], bindings, root)
+                    except SkipSite:
+                        raise exc from None
             except (NotASite, SkipSite) as exc:
                 self.memo[memo_key] = exc
         found = self.memo[memo_key]
@@ -207,6 +218,8 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
             q = bindings["q"]
             cand = replace(core, y=root, source=q, x=q)
         elif self.upcast:
+            if core.flatten_source:
+                raise SkipSite("a float32 rotation of pairs with no value in the rotated tensor's shape")
             chain = cast_chain(core.x)
             x = next((v for v in chain if dtype_of(v) == dtype_of(root)), None)
             if x is None:
@@ -278,6 +291,14 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
         site = self.site(None, bindings)
         cos, sin, pos = self._caches(op, site)
         x = site.x
+        if site.candidate.flatten_source:  # [..., d/2, 2] -> [..., d]
+            source = site.candidate.source
+            rank = source.shape.rank()
+            shape = op.Shape(source)
+            head = op.Slice(shape, op.Constant(value=ir.tensor(np.array([0], dtype=np.int64))),
+                            op.Constant(value=ir.tensor(np.array([rank - 2], dtype=np.int64))))
+            x = op.Reshape(source, op.Concat(head, op.Constant(value=ir.tensor(np.array([-1], dtype=np.int64))),
+                                             axis=0))
         if dtype_of(x) != dtype_of(site.y):
             x = op.Cast(x, to=dtype_of(site.y))
         cos, sin = (_cache_dtype(op, c, dtype_of(site.y)) for c in (cos, sin))

@@ -34,6 +34,10 @@ class ProbeError(Exception):
     """The values cannot be evaluated on their own; the message says why."""
 
 
+class EvaluationFailed(ProbeError):
+    """The slice ran and failed: the sizes given to its symbolic dims do not fit together."""
+
+
 def _sympy_size(expr: str, sizes: dict[str, int]) -> int | None:
     import sympy
 
@@ -55,9 +59,23 @@ class Probe:
         self.sizes: dict[str, int] = dict(sizes or {})
         self._inferred: dict[str, tuple[int, ...]] | None = None if infer else {}
 
+    def by_axis(self) -> Probe:
+        """Another assignment where the graph inputs' dims get sizes by axis (axis 0 of every input
+        the same, ...): for files whose exporter named equal dims differently (torch.export's
+        Dim.AUTO gives every input's batch its own symbol)."""
+        sizes: dict[str, int] = {}
+        for value in self.model.graph.inputs:
+            for axis, d in enumerate(value.shape or ()):
+                name = getattr(d, "value", None)
+                if isinstance(name, str) and name.isidentifier():
+                    sizes.setdefault(name, SIZES[axis % len(SIZES)])
+        return Probe(self.model, sizes)
+
     def with_sizes(self, sizes: dict[str, int]) -> Probe:
-        """Another assignment (only symbolic names are used then: no whole-model inference)."""
-        return Probe(self.model, {**self.sizes, **sizes}, infer=False)
+        """Another assignment (only symbolic names are used then: no whole-model inference).
+        Sizes of expressions (``Min(64, seq)``) are recomputed from the new names."""
+        names = {k: v for k, v in self.sizes.items() if k.isidentifier()}
+        return Probe(self.model, {**names, **sizes}, infer=False)
 
     def size(self, d) -> int | None:
         if isinstance(d, int):
@@ -157,7 +175,7 @@ class Probe:
             try:
                 return _run_reference(proto, arrays)
             except Exception as exc:  # noqa: BLE001
-                raise ProbeError(f"the matched ops could not be evaluated ({type(exc).__name__}: "
+                raise EvaluationFailed(f"the matched ops could not be evaluated ({type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0][:160]})") from None
 
     def leaves(self, outputs: list[ir.Value], feeds: dict[ir.Value, np.ndarray]) -> list[ir.Value]:

@@ -48,6 +48,9 @@ class Candidate:
     sin: ir.Value
     cos_product: ir.Value  # a product with cos: its shape is cos broadcast against the channels
     pairs: bool  # cos/sin hold one value per pair (else duplicated to the full rotated width)
+    # no value holds the tensor in y's shape (an optimizer merged the reshapes): X is the source
+    # [..., d/2, 2] flattened, and ``x`` stands for y's shape only
+    flatten_source: bool = False
 
 
 @dataclass(frozen=True)
@@ -234,16 +237,18 @@ def classify(probe: Probe, c: Candidate, partial: bool = False) -> tuple[Form, t
     probe shape)."""
     cos_shape, sin_shape = _cos_sin_shapes(probe, c)
     shape = source_shape(probe, c, cos_shape, partial)
-    codes = _codes(shape, _np_dtype(c.source))
+    flat = (*shape[:-2], shape[-2] * shape[-1]) if c.flatten_source else shape
+    codes = _codes(flat, _np_dtype(c.source))  # channel codes of the tensor in y's layout
+    fed = codes.reshape(shape)
     ones = {c.cos: np.ones(cos_shape, _np_dtype(c.cos)), c.sin: np.ones(sin_shape, _np_dtype(c.sin))}
     zeros = {v: np.zeros_like(a) for v, a in ones.items()}
     try:
-        same, product = probe.run([c.y, c.cos_product], {c.source: codes, c.cos: ones[c.cos], c.sin: zeros[c.sin]})
-        (moved,) = probe.run([c.y], {c.source: codes, c.cos: zeros[c.cos], c.sin: ones[c.sin]})
+        same, product = probe.run([c.y, c.cos_product], {c.source: fed, c.cos: ones[c.cos], c.sin: zeros[c.sin]})
+        (moved,) = probe.run([c.y], {c.source: fed, c.cos: zeros[c.cos], c.sin: ones[c.sin]})
     except ProbeError as exc:
-        raise SkipSite(str(exc)) from None
-    if same.shape != shape:
-        raise SkipSite(f"the result's shape {list(same.shape)} differs from the rotated tensor's {list(shape)}")
+        raise SkipSite(str(exc)) from exc
+    if same.shape != codes.shape:
+        raise SkipSite(f"the result's shape {list(same.shape)} differs from the rotated tensor's {list(codes.shape)}")
     if not np.array_equal(np.asarray(same, np.float64), codes.astype(np.float64)):
         raise SkipSite("with cos = 1 and sin = 0 the ops do not return the tensor unchanged: not a rotation")
     return _read_permutation(np.asarray(moved, np.float64)), cos_shape, product.shape, shape
@@ -292,6 +297,9 @@ def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int,
         layout = "bhsd"
     elif cos[2] == 1 and cos[1] == full[1] and full[1] > 1:
         layout = "bshd"
+    elif cos[1] == 1 and cos[2] == 1 and cos[0] > 1:
+        raise SkipSite("cos/sin vary along axis 0 only: a [S, B, H, D] layout, which the op cannot take "
+                       "([B, H, S, D] or [B, S, H, D]); transpose before rotating")
     elif cos[1] == 1 and cos[2] == 1:
         raise SkipSite("cos/sin do not vary along the sequence axis (axis 1 or 2 of the rotated tensor)")
     else:

@@ -35,11 +35,14 @@ def verify(probe: Probe, site) -> None:
     rows = min([t.table.shape[0] for t in traces if t.kind == "gather"] or [2 * MAX_POSITION])
     try:
         feeds = random_feeds(probe, [site.y], feeds, rng, min(rows // 2, MAX_POSITION))
-        wanted = [site.y, site.x] + [v for t in traces for v in _ingredients(t)]
+        wanted = [site.y, source if site.candidate.flatten_source else site.x]
+        wanted += [v for t in traces for v in _ingredients(t)]
         values = dict(zip(wanted, probe.run(wanted, feeds), strict=True))
     except ProbeError as exc:
-        raise SkipSite(f"the numerical check could not run: {exc}") from None
-    x = values[site.x].astype(values[site.y].dtype)
+        raise SkipSite(f"the numerical check could not run: {exc}") from exc
+    x = values[wanted[1]].astype(values[site.y].dtype)
+    if site.candidate.flatten_source:
+        x = x.reshape(*x.shape[:-2], -1)
     batch, seq = (x.shape[0], x.shape[2]) if site.layout == "bhsd" else (x.shape[0], x.shape[1])
     (cos, pos), (sin, _) = (_caches(t, values, probe, site, batch, seq) for t in traces)
     if site.cos.kind != "gather":

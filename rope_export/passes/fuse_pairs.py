@@ -50,10 +50,18 @@ class FusePairs(FuseRotary):
                 if others != {frozenset((a, s)), frozenset((bb, c))}:
                     continue
                 source = common_source([a, bb])
-                x = climb_to_shape(probe, source, b["core"]) if source is not None else None
+                if source is None:
+                    continue
+                x = climb_to_shape(probe, source, b["core"])
                 if x is not None:
                     return Candidate(b["core"], x, x, c, s, b["a"], pairs=True)
+                if _rank(source) is not None and _rank(source) == (_rank(b["core"]) or 0) + 1:
+                    return Candidate(b["core"], source, b["core"], c, s, b["a"], pairs=True, flatten_source=True)
         raise NotASite("the products are not the pairs of one tensor times cos/sin")
+
+
+def _rank(value) -> int | None:
+    return value.shape.rank() if value.shape is not None else None
 
 
 def rules(report, memo) -> list:
