@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup plugin demo test lint clean
+.PHONY: setup plugin demo test test-slow lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ lint: setup
 
 test: lint plugin
 	$(PY) -m pytest -q
+
+# the tests marked slow (the whole block zoo through export_module and fuse at both opsets)
+test-slow: setup plugin
+	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) build out .pytest_cache .ruff_cache .hypothesis

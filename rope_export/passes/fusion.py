@@ -67,11 +67,13 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
                             "kept as is" + hint)
     infer_shapes(ir_model)
     fused = 0
-    probe = Probe(ir_model)  # one set of probe sizes (and one shape inference) for every stage
+    # one memo (site analyses, caches) and one set of probe sizes for every stage; the rules are
+    # built once (building onnxscript patterns is not free)
+    memo: dict = {"probe": Probe(ir_model)}
+    staged = [(st, rule) for module in RULE_MODULES for st, rule in module.rules(report, memo)
+              if adopt_standard or module is not fuse_standard_op]
     for stage in range(STAGES):
-        memo: dict = {"probe": probe}
-        rules = [rule for module in RULE_MODULES for st, rule in module.rules(report, memo)
-                 if st == stage and (adopt_standard or module is not fuse_standard_op)]
+        rules = [rule for st, rule in staged if st == stage]
         count = pattern.RewriteRuleSet(rules).apply_to_model(ir_model)
         if count:
             remove_unused(ir_model)  # a fused site's old nodes must not match a later, smaller pattern

@@ -43,7 +43,8 @@ def test_fuse_on_the_plain_opset_18_export(name):
     _matches_eager(fused, name)
 
 
-@pytest.mark.parametrize("name", ["torchtune", "meta", "lucidrains", "glm"])
+@pytest.mark.parametrize("name", ["torchtune"] + [pytest.param(n, marks=pytest.mark.slow)
+                                                  for n in ("meta", "lucidrains", "glm")])
 def test_fuse_on_the_plain_opset_23_export(name):
     """Opset 23: whatever torch.onnx's optimizer already turned into RotaryEmbedding-23 is adopted,
     the rest is ours; 2 nodes either way."""
@@ -68,6 +69,7 @@ def test_look_alikes_and_unfusable_rotations_are_left_alone_with_the_reason(name
     _matches_eager(fused, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["swiglu", "sinusoidal_added"])
 def test_no_rotation_no_row(name):
     report = FusionReport()
