@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import torch
 
 from rope_export.detect import CountReport, RotationCensus, compare_with_file, count_rotations, rotary_nodes
@@ -52,12 +53,21 @@ class SiteReport:
 
 @dataclass
 class ModuleExportResult:
-    model: onnx.ModelProto
+    ir_model: ir.Model  # the fused model (weights not copied)
     path: Path | None
     census: RotationCensus
     fusion: FusionReport
     count: CountReport
     sites: list[SiteReport]
+
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> onnx.ModelProto:
+        """The fused model as a ModelProto (made on first use: a copy of the weights)."""
+        if not hasattr(self, "_proto"):
+            self._proto = ir.to_proto(self.ir_model)
+        return self._proto
 
     @property
     def rotary_nodes(self) -> int:
@@ -160,8 +170,12 @@ def export_module(
         program = trace(dynamic_shapes)
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
-    model = fuse(program.model_proto, report=fusion, adopt_standard=True)
-    onnx.checker.check_model(model, full_check=True)
+    model = fuse(program.model, report=fusion, adopt_standard=True)  # in place: no copy of the weights
+    notes = []
+    if _weight_bytes(model) < CHECK_LIMIT:
+        onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    else:
+        notes.append("onnx.checker skipped here (weights past 2 GB); run `rope-export check` on the written file")
     count = compare_with_file(census, model, allow_decomposed=True) if allow_decomposed else None
     sites = site_reports(census, fusion, model)
     if count is None:
@@ -173,7 +187,14 @@ def export_module(
     if output is not None:
         say(f"writing {output}")
         save_model(model, output)
-    return ModuleExportResult(model, None if output is None else Path(output), census, fusion, count, sites)
+    return ModuleExportResult(model, None if output is None else Path(output), census, fusion, count, sites, notes)
+
+
+CHECK_LIMIT = 2**31 - 2**26  # below protobuf's 2 GB, with room for the graph
+
+
+def _weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
 def _named(module: torch.nn.Module, per_arg) -> dict:
@@ -184,7 +205,7 @@ def _named(module: torch.nn.Module, per_arg) -> dict:
     return dict(zip(names, per_arg or (), strict=False))
 
 
-def site_reports(census: RotationCensus, fusion: FusionReport, model: onnx.ModelProto) -> list[SiteReport]:
+def site_reports(census: RotationCensus, fusion: FusionReport, model: ir.Model) -> list[SiteReport]:
     """Per module: rotations counted, rotary nodes attributed, reasons of sites left alone there."""
     by_path: dict[str, SiteReport] = {}
     for site in census.sites:
@@ -197,7 +218,7 @@ def site_reports(census: RotationCensus, fusion: FusionReport, model: onnx.Model
         path = _match(node.module_path, by_path)
         if path is not None:
             by_path[path].fused += 1
-    producers = {out: node for node in model.graph.node for out in node.output}
+    producers = {out.name: node for node in model.graph for out in node.outputs if out.name}
     for row in fusion.rows():
         if row.status != "left alone":
             continue

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import onnx
+import onnx_ir as ir
 
 from rope_export.contract import DOMAIN, OP_TYPE
 from rope_export.detect.witness import RotationCensus, RotationSite, layer_of
@@ -71,8 +72,9 @@ class CountReport:
         return "\n".join(lines)
 
 
-def rotary_nodes(model: onnx.ModelProto) -> list[RotaryNode]:
-    """Every rotary node of the graph, its subgraphs and its local functions."""
+def rotary_nodes(model) -> list[RotaryNode]:
+    """Every rotary node of the graph, its subgraphs and its local functions (``model``: an
+    onnx.ModelProto or an onnx_ir.Model)."""
     found = []
     for node in _all_nodes(model):
         kind = _rotary_kind(node)
@@ -84,12 +86,12 @@ def rotary_nodes(model: onnx.ModelProto) -> list[RotaryNode]:
 
 def compare_with_file(census: RotationCensus, onnx_model, *, allow_decomposed: bool = False) -> CountReport:
     """Compare ``census`` (from ``count_rotations``) with the rotary nodes of ``onnx_model``
-    (a ModelProto or a path; external data is not loaded).
+    (a ModelProto, an onnx_ir.Model or a path; external data is not loaded).
 
     Raises DecomposedRotationError when rotations stayed decomposed (with ``allow_decomposed``: a
     warning instead), RotationCountError when the file has more rotary nodes than rotations.
     """
-    if not isinstance(onnx_model, onnx.ModelProto):
+    if not isinstance(onnx_model, (onnx.ModelProto, ir.Model)):
         onnx_model = onnx.load(str(onnx_model), load_external_data=False)
     nodes = rotary_nodes(onnx_model)
     plain = census.plain
@@ -127,7 +129,13 @@ def compare_with_file(census: RotationCensus, onnx_model, *, allow_decomposed: b
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-def _all_nodes(model: onnx.ModelProto):
+def _all_nodes(model):
+    if isinstance(model, ir.Model):
+        yield from ir.traversal.RecursiveGraphIterator(model.graph)
+        for function in model.functions.values():
+            yield from function
+        return
+
     def walk(graph):
         for node in graph.node:
             yield node
@@ -143,26 +151,36 @@ def _all_nodes(model: onnx.ModelProto):
         yield from function.node
 
 
-def _rotary_kind(node: onnx.NodeProto) -> str | None:
-    for attr in node.attribute:
-        if attr.name == "plugin_namespace" and attr.s.decode(errors="replace") == PLUGIN_NAMESPACE:
-            return "trt-plugin"
+def _rotary_kind(node) -> str | None:
+    if isinstance(node, ir.Node):
+        namespace = node.attributes.get("plugin_namespace")
+        plugin = namespace is not None and namespace.type == ir.AttributeType.STRING and \
+            namespace.as_string() == PLUGIN_NAMESPACE
+    else:
+        plugin = any(a.name == "plugin_namespace" and a.s.decode(errors="replace") == PLUGIN_NAMESPACE
+                     for a in node.attribute)
+    if plugin:
+        return "trt-plugin"
     if node.op_type != OP_TYPE:
         return None
     return {DOMAIN: "rope_export", "": "ai.onnx", "ai.onnx": "ai.onnx", "com.microsoft": "com.microsoft"}.get(
         node.domain)
 
 
-def module_path_of(node: onnx.NodeProto) -> str | None:
+def module_path_of(node) -> str | None:
     """The module path from torch.onnx's name scopes: cumulative module names, the op last
-    (``['', 'model', 'model.layers.0', 'model.layers.0.self_attn', 'mul_3']``)."""
-    for prop in node.metadata_props:
-        if prop.key == NAME_SCOPES:
-            try:
-                scopes = ast.literal_eval(prop.value)
-            except (ValueError, SyntaxError):
-                return None
-            if isinstance(scopes, list) and scopes:
-                return str(scopes[-2]) if len(scopes) > 1 else ""
+    (``['', 'model', 'model.layers.0', 'model.layers.0.self_attn', 'mul_3']``). ``node``: an
+    onnx.NodeProto or an onnx_ir.Node."""
+    props = node.metadata_props
+    value = props.get(NAME_SCOPES) if isinstance(props, dict) else next(
+        (p.value for p in props if p.key == NAME_SCOPES), None)
+    if value is None:
+        return None
+    try:
+        scopes = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return None
+    if isinstance(scopes, list) and scopes:
+        return str(scopes[-2]) if len(scopes) > 1 else ""
     return None
 
