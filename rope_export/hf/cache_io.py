@@ -7,8 +7,10 @@ widths may differ (MLA: DeepSeek V2/V3, MiniCPM3), and so may heads and widths b
 have no I/O. Sliding-window layers keep the whole past in the file (the sliding mask makes the
 same attention), so every past has one length.
 
-Layers whose cache is not keys and values (recurrent, convolutional, linear-attention states)
-are refused in one line naming the layer; so are models that bring a cache class of their own.
+Hybrids' recurrent, convolutional and linear-attention layers keep fixed-size states
+(``conv_states``, ``recurrent_states``): they are graph inputs and outputs too (zeros for a
+prefill: the same as no state). Models that bring a cache class of their own are refused in one
+line.
 """
 
 from __future__ import annotations
@@ -24,12 +26,43 @@ from rope_export.hf.families import MODEL_TYPES, text_config
 
 
 @dataclass(frozen=True)
+class Slot:
+    """One cache tensor of a layer, as a graph input (``past_key_values.{layer}.{name}``) and output."""
+
+    name: str  # "key", "value", "indexer_key", "conv.{j}", "recurrent.{j}"
+    shape: tuple[int, ...]  # without the batch axis; the past axis (if any) holds 0
+    past_axis: int | None  # the axis (batch counted) that grows with the past; None: a fixed-size state
+
+    def example_shape(self, batch: int, past: int) -> tuple[int, ...]:
+        shape = [batch, *self.shape]
+        if self.past_axis is not None:
+            shape[self.past_axis] = past
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
 class LayerIO:
-    """One cache layer's keys and values: (heads, width) of each, [B, heads, past, width] in the file."""
+    """One cache layer's tensors: keys and values [B, heads, past, width] (widths may differ), the
+    indexer's keys [B, past, width] of DSA models (DeepSeek V3.2, GLM MoE DSA), and the conv and
+    recurrent states [B, ...] of recurrent / linear-attention layers (hybrids)."""
 
     index: int
-    key: tuple[int, int]
-    value: tuple[int, int]
+    slots: tuple[Slot, ...]
+    conv_kernel: tuple[tuple[int, int], ...] = ()  # (state index, kernel size) of each conv state
+
+    def names(self) -> list[str]:
+        return [slot.name for slot in self.slots]
+
+    def shapes(self, batch: int, past: int) -> list[tuple[int, ...]]:
+        return [slot.example_shape(batch, past) for slot in self.slots]
+
+    @property
+    def has_states(self) -> bool:
+        return any(slot.past_axis is None for slot in self.slots)
+
+    @property
+    def has_indexer(self) -> bool:
+        return any(slot.name == "indexer_key" for slot in self.slots)
 
 
 @dataclass(frozen=True)
@@ -41,24 +74,65 @@ class CacheLayout:
 
     @classmethod
     def uniform(cls, num_layers: int, heads: int = 0, width: int = 0) -> CacheLayout:
-        return cls(tuple(LayerIO(i, (heads, width), (heads, width)) for i in range(num_layers)), num_layers)
+        kv = (Slot("key", (heads, 0, width), 2), Slot("value", (heads, 0, width), 2))
+        return cls(tuple(LayerIO(i, kv) for i in range(num_layers)), num_layers)
+
+    @property
+    def has_states(self) -> bool:
+        return any(io.has_states for io in self.layers)
 
     def input_names(self) -> list[str]:
-        return [f"past_key_values.{io.index}.{kv}" for io in self.layers for kv in ("key", "value")]
+        return [f"past_key_values.{io.index}.{name}" for io in self.layers for name in io.names()]
 
     def output_names(self) -> list[str]:
-        return [f"present.{io.index}.{kv}" for io in self.layers for kv in ("key", "value")]
+        return [f"present.{io.index}.{name}" for io in self.layers for name in io.names()]
+
+    def past_axes(self) -> list[int | None]:
+        """The past axis of each past tensor, in input order (None: a fixed-size state)."""
+        return [slot.past_axis for io in self.layers for slot in io.slots]
+
+    def fill(self, cache, past: tuple) -> None:
+        """Put the flat past tensors into ``cache``'s layers (states as if a previous call had left them)."""
+        tensors = iter(past)
+        for io in self.layers:
+            layer = cache.layers[io.index]
+            given = {slot.name: next(tensors) for slot in io.slots}
+            if "key" in given:
+                layer.update(given["key"], given["value"])
+            if "indexer_key" in given:
+                layer.update_indexer(given["indexer_key"])
+            kernels = dict(io.conv_kernel)
+            for name, tensor in given.items():
+                kind, _, index = name.partition(".")
+                if kind in ("conv", "recurrent"):
+                    _set_state(layer, kind, int(index), tensor, kernels.get(int(index)))
+
+    def present(self, cache) -> list:
+        """The flat present tensors of ``cache``'s layers."""
+        out = []
+        for io in self.layers:
+            layer = cache.layers[io.index]
+            for slot in io.slots:
+                kind, _, index = slot.name.partition(".")
+                out.append({"key": lambda: layer.keys, "value": lambda: layer.values,
+                            "indexer_key": lambda: layer.indexer_keys,
+                            "conv": lambda: layer.conv_states[int(index)],
+                            "recurrent": lambda: layer.recurrent_states[int(index)]}[kind]())
+        return out
 
 
-def _refuse_layer(model, index: int, layer) -> HFExportError:
-    config = text_config(model.config)
-    layer_types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or []
-    kind = f"a {layer_types[index]!r} layer" if index < len(layer_types) else "a layer"
-    return HFExportError(
-        f"{config.model_type}: layer {index} is {kind} whose cache is {type(layer).__name__} (recurrent/convolution "
-        "states, not keys and values): exporting it needs its state as graph I/O, which rope-export does not "
-        "write yet; export a model whose layers are all attention layers"
-    )
+def _set_state(layer, kind: str, index: int, tensor: torch.Tensor, kernel: int | None) -> None:
+    """A conv or recurrent state handed in: the layer holds a copy (transformers updates it in place)."""
+    if layer.device is None:
+        layer.dtype, layer.device = tensor.dtype, tensor.device
+    if kind == "conv":
+        layer.conv_states[index] = tensor.clone()
+        layer.conv_kernel_size[index] = kernel if kernel is not None else tensor.shape[-1]
+        layer.is_conv_states_initialized[index] = True
+    else:
+        layer.recurrent_states[index] = tensor.clone()
+        layer.is_recurrent_states_initialized[index] = True
+    layer.has_previous_state[index] = True
 
 
 def make_cache(model):
@@ -72,18 +146,28 @@ def make_cache(model):
     return cache
 
 
-def _is_kv_layer(layer) -> bool:
-    from transformers.cache_utils import DynamicLayer
-
-    return isinstance(layer, DynamicLayer) and not hasattr(layer, "conv_states")
-
-
-def _is_empty_layer(layer) -> bool:
-    return getattr(layer, "keys", None) is None and not hasattr(layer, "conv_states")
+def _layer_io(index: int, layer) -> LayerIO | None:
+    """The I/O of one filled cache layer (None: it keeps nothing of its own, e.g. KV sharing)."""
+    slots, kernels = [], []
+    keys = getattr(layer, "keys", None)
+    if isinstance(keys, torch.Tensor) and keys.numel() > 0:
+        values = layer.values
+        slots += [Slot("key", (int(keys.shape[1]), 0, int(keys.shape[3])), 2),
+                  Slot("value", (int(values.shape[1]), 0, int(values.shape[3])), 2)]
+        indexer = getattr(layer, "indexer_keys", None)
+        if isinstance(indexer, torch.Tensor) and indexer.numel() > 0:
+            slots.append(Slot("indexer_key", (0, int(indexer.shape[-1])), 1))
+    for kind in ("conv", "recurrent"):
+        for state_index, state in sorted((getattr(layer, f"{kind}_states", None) or {}).items()):
+            if isinstance(state, torch.Tensor):
+                slots.append(Slot(f"{kind}.{state_index}", tuple(int(d) for d in state.shape[1:]), None))
+                if kind == "conv":
+                    kernels.append((state_index, int(layer.conv_kernel_size[state_index])))
+    return LayerIO(index, tuple(slots), tuple(kernels)) if slots else None
 
 
 def cache_layout(model) -> CacheLayout:
-    """Per-layer key/value geometry of the text decoder, read from one tiny eager forward."""
+    """Per-layer cache geometry of the text decoder, read from one tiny eager forward."""
     from transformers.cache_utils import Cache
 
     cache = make_cache(model)
@@ -100,15 +184,8 @@ def cache_layout(model) -> CacheLayout:
             f"{model.config.model_type}: {type(model).__name__} returns no transformers Cache "
             f"(past_key_values is {type(filled).__name__}); rope-export exports models with a DynamicCache only"
         )
-    layers = []
-    for index, layer in enumerate(filled.layers):
-        if _is_kv_layer(layer) and layer.keys is not None and layer.keys.numel() > 0:
-            keys, values = layer.keys, layer.values
-            layers.append(LayerIO(index, (int(keys.shape[1]), int(keys.shape[3])),
-                                  (int(values.shape[1]), int(values.shape[3]))))
-        elif not _is_empty_layer(layer):
-            raise _refuse_layer(model, index, layer)
-    if not layers:
+    layers = [io for index, layer in enumerate(filled.layers) if (io := _layer_io(index, layer)) is not None]
+    if not any("key" in io.names() for io in layers):
         raise HFExportError(f"{model.config.model_type}: no layer keeps keys and values in transformers' cache")
     return CacheLayout(tuple(layers), len(filled.layers))
 
@@ -122,7 +199,7 @@ def hf_io_names(layout: CacheLayout | int) -> tuple[list[str], list[str]]:
 
 def hf_example_inputs(model, *, batch: int = 2, seq: int = 4, past: int = 3, seed: int = 0,
                       position_rank: int | None = None, layout: CacheLayout | None = None) -> tuple[torch.Tensor, ...]:
-    """Inputs of ``CausalLMWithCache(model)``: ids, positions past..past+S-1, random past keys/values."""
+    """Inputs of ``CausalLMWithCache(model)``: ids, positions past..past+S-1, random past cache tensors."""
     if position_rank is None:
         model_type = model.config.model_type
         position_rank = MODEL_TYPES[model_type].position_rank if model_type in MODEL_TYPES else 2
@@ -133,18 +210,17 @@ def hf_example_inputs(model, *, batch: int = 2, seq: int = 4, past: int = 3, see
     if position_rank == 3:
         positions = positions.expand(3, batch, seq).contiguous()
     dtype = next(model.parameters()).dtype
-    kv = []
-    for io in layout.layers:
-        for heads, width in (io.key, io.value):
-            kv.append(torch.randn(batch, heads, past, width, generator=generator).to(dtype))
-    return (ids, positions, *kv)
+    tensors = [torch.randn(shape, generator=generator).to(dtype) for io in layout.layers
+               for shape in io.shapes(batch, past)]
+    return (ids, positions, *tensors)
 
 
 class CausalLMWithCache(nn.Module):
     """``forward(input_ids, position_ids, *past) -> (logits, *present)``, past/present flat per cache layer.
 
-    ``past`` is ``key, value`` of each layer of ``layout`` ([B, heads, P, width], P = 0 for prefill);
-    ``position_ids`` is [B, S] ([3, B, S] for Qwen2-VL). A DynamicCache is filled inside.
+    ``past`` holds each layer's tensors of ``layout`` in order (keys and values [B, heads, P, width],
+    P = 0 for prefill; a hybrid's conv/recurrent states, zeros for prefill); ``position_ids`` is
+    [B, S] ([3, B, S] for Qwen2-VL). A DynamicCache is filled inside.
     """
 
     def __init__(self, model: nn.Module, layout: CacheLayout | int):
@@ -153,18 +229,14 @@ class CausalLMWithCache(nn.Module):
         self.layout = CacheLayout.uniform(layout) if isinstance(layout, int) else layout
 
     def forward(self, input_ids, position_ids, *past):
-        expected = 2 * len(self.layout.layers)
+        expected = len(self.layout.input_names())
         if len(past) != expected:
-            raise HFExportError(f"expected {expected} past tensors (key and value per cache layer), got {len(past)}")
+            raise HFExportError(f"expected {expected} past tensors ({', '.join(self.layout.input_names())}), "
+                                f"got {len(past)}")
         cache = make_cache(self.model)
-        for n, io in enumerate(self.layout.layers):
-            cache.layers[io.index].update(past[2 * n], past[2 * n + 1])
+        self.layout.fill(cache, past)
         out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
-        present = []
-        for io in self.layout.layers:
-            layer = out.past_key_values.layers[io.index]
-            present += [layer.keys, layer.values]
-        return (out.logits, *present)
+        return (out.logits, *self.layout.present(out.past_key_values))
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:

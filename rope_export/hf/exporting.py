@@ -77,9 +77,12 @@ class HFExportResult:
         return count_rotary_nodes(self.model)
 
 
-def _dims():
+def _dims(states: bool = False):
+    """batch, seq, past. With recurrent states, seq is left to torch: their layers branch on seq == 1
+    (a one-token update), and the traced multi-token path also computes one token right (the zoo
+    checks a decode step), so torch may assume seq >= 2 while tracing it."""
     batch = torch.export.Dim("batch", min=1, max=4096)
-    seq = torch.export.Dim("seq", min=1, max=2**20)
+    seq = torch.export.Dim.DYNAMIC if states else torch.export.Dim("seq", min=1, max=2**20)
     past = torch.export.Dim("past", min=0, max=2**20)
     return batch, seq, past
 
@@ -87,17 +90,53 @@ def _dims():
 _UNSUPPORTED_OP = re.compile(r"(?:torch\.ops\.)?[A-Za-z_][\w]*\.[A-Za-z_]\w*\.(?:default|Tensor|\w+)\b")
 
 
-def _export_failure(model, exc: Exception) -> HFExportError:
-    """One line naming the model and the cause; an operator torch.onnx cannot translate is named."""
-    text = "\n".join(str(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    chain = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+_STATIC_SEQ = re.compile(r"inferred a static shape of (\d+) for dimension inputs\['input_ids'\]\.shape\[1\]")
+_DATA_DEPENDENT = "GuardOnDataDependentSymNode"
+
+
+def _state_layers(model, layout: CacheLayout) -> str:
+    types = getattr(text_config(model.config), "layer_types", None) or []
+    named = [f"{io.index} ({types[io.index]!r})" if io.index < len(types) else str(io.index)
+             for io in layout.layers if io.has_states]
+    return ", ".join(named)
+
+
+def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError:
+    """One line naming the model and the innermost cause; an operator torch.onnx cannot translate is named."""
+    chain = _chain(exc)
+    text = _ANSI.sub("", "\n".join(str(e) for e in chain))
+    static = _STATIC_SEQ.search(text)
+    if static:
+        where = f" in its recurrent layers {_state_layers(model, layout)}" if layout.has_states else ""
+        return HFExportError(
+            f"exporting {type(model).__name__} failed: its code fixes the sequence length to the example's "
+            f"{static.group(1)} while tracing (a Python loop or branch over the tokens{where}), so no file could "
+            "serve other lengths")
+    if _DATA_DEPENDENT in text:
+        return HFExportError(
+            f"exporting {type(model).__name__} failed: its code branches on tensor values (e.g. a mixture-of-experts "
+            "loop over the experts a batch hits), which torch.export cannot trace")
     for line in text.splitlines():
         if "Unsupported FX nodes" in line or "no translation" in line.lower() or "not supported" in line.lower():
             ops = sorted({m.group(0) for m in _UNSUPPORTED_OP.finditer(line)} - {"torch.onnx.export"})
             if ops:
                 return HFExportError(f"exporting {type(model).__name__} failed: torch.onnx cannot translate "
                                      f"{', '.join(ops)}")
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
-    return HFExportError(f"exporting {type(model).__name__} failed: {first[:400]}")
+    innermost = chain[-1]
+    lines = [line.strip() for line in _ANSI.sub("", str(innermost)).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    return HFExportError(f"exporting {type(model).__name__} failed: {type(innermost).__name__}: {first[:300]}")
 
 
 def _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose):
@@ -122,6 +161,20 @@ def _check_dynamic(model: onnx.ModelProto, position_rank: int) -> None:
             )
 
 
+def _name_dims(model: onnx.ModelProto, position_rank: int, layout: CacheLayout) -> None:
+    """batch/seq/past names for the I/O's symbolic dims (past+seq on the presents)."""
+    first_kv = next((n for n, axis in enumerate(layout.past_axes()) if axis == 2), None)
+    rename_dynamic_dims(model, batch_seq=(1, 1 if position_rank == 3 else 0),
+                        past=None if first_kv is None else 2 + first_kv)
+    ids_seq = model.graph.input[0].type.tensor_type.shape.dim[1]
+    if ids_seq.dim_param and ids_seq.dim_param != "seq":  # torch left input_ids' seq a symbol of its own
+        old = ids_seq.dim_param
+        for value in [*model.graph.input, *model.graph.output]:
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param == old:
+                    dim.dim_param = "seq"
+
+
 def _fuse(model: onnx.ModelProto, notes: list[str]) -> onnx.ModelProto:
     """rope_export.passes.fuse on the traced graph; torch.onnx's ai.onnx RotaryEmbedding nodes adopted."""
     from rope_export.passes import FusionReport, fuse
@@ -135,18 +188,19 @@ def _fuse(model: onnx.ModelProto, notes: list[str]) -> onnx.ModelProto:
 
 def _wrapper(model, layer, inputs, layout, position_rank, seed):
     """(module to trace, its inputs, dynamic shapes, input names, output names, kind)."""
-    b, s, p = _dims()
+    b, s, p = _dims(layout.has_states)
     pos_shape = {1: b, 2: s} if position_rank == 3 else {0: b, 1: s}
     if layer is None:
         input_names, output_names = hf_io_names(layout)
-        past = tuple({0: b, 2: p} for _ in range(len(inputs) - 2))
+        past = tuple({0: b} if axis is None else {0: b, axis: p} for axis in layout.past_axes())
         return (CausalLMWithCache(model, layout).eval(), inputs, ({0: b, 1: s}, pos_shape, past), input_names,
                 output_names, "hf-causal-lm")
     module = AttentionWithCache(model, layer).eval()
     index = module.attention.layer_idx
     slot = next((n for n, io in enumerate(layout.layers) if io.index == index), None)
-    if slot is None:
-        raise HFExportError(f"attention layer {layer} keeps no keys and values of its own; export the whole model")
+    if slot is None or any(io.names() != ["key", "value"] for io in layout.layers[: slot + 1]):
+        raise HFExportError(f"attention layer {layer} keeps no plain keys and values of its own (shared, or with an "
+                            "indexer cache or states); export the whole model")
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(inputs[0].shape[0], inputs[0].shape[1], text_config(model.config).hidden_size,
                          generator=generator).to(inputs[2].dtype)
@@ -166,7 +220,7 @@ def export_hf(
     opset: int = 23,
     weights: str | None = None,
     seed: int = 0,
-    example: tuple[int, int, int] = (2, 4, 3),
+    example: tuple[int, int, int] | None = None,
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
 ) -> HFExportResult:
@@ -181,7 +235,9 @@ def export_hf(
     The rotations transformers performs in one eager forward are compared with the rotary nodes
     of the file: fewer nodes raise ``DecomposedRotationError`` naming the layers left decomposed,
     unless ``allow_decomposed`` (then a warning and a note). ``example`` is (batch, seq, past) of
-    the tracing inputs; use seq >= 2 (torch.export fixes a dim whose example size is 1).
+    the tracing inputs (default (2, 4, 3); (2, 5, 3) for hybrids, whose chunked scans must not see a
+    sequence that divides their chunk size); use seq >= 2 (torch.export fixes a dim whose example
+    size is 1).
     """
     say = progress or (lambda message: None)
     if fallback not in FALLBACKS:
@@ -191,10 +247,10 @@ def export_hf(
         _check_writable(Path(output))
     fam = family_of(model, family)
     dtype_name = {v: k for k, v in DTYPES.items()}.get(next(model.parameters()).dtype, "fp32")
-    batch, seq, past = example
     notes: list[str] = []
     with model_state_kept(model):  # the eager forwards may let transformers cache things on its modules
         layout = cache_layout(model)
+        batch, seq, past = example or ((2, 5, 3) if layout.has_states else (2, 4, 3))
         inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
                                    position_rank=fam.position_rank, layout=layout)
         module, inputs, shapes, input_names, output_names, kind = _wrapper(model, layer, inputs, layout,
@@ -218,9 +274,8 @@ def export_hf(
     except HFExportError:
         raise
     except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
-        raise _export_failure(model, exc) from exc
-    rename_dynamic_dims(onnx_model, batch_seq=(1, 1 if fam.position_rank == 3 else 0),
-                        past=2 if len(onnx_model.graph.input) > 2 else None)
+        raise _export_failure(model, exc, layout) from exc
+    _name_dims(onnx_model, fam.position_rank, layout)
     description = _describe(hook, fallback)
     if hook is None and fallback != "plain":
         onnx_model = _fuse(onnx_model, notes)

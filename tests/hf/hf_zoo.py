@@ -89,8 +89,7 @@ def compare_with_transformers(model, result: hf.HFExportResult, steps: int = 1) 
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, PREFILL), generator=generator)
     cache = DynamicCache(config=model.config)  # transformers' own cache, sliding layers cropped as usual
-    past = [np.zeros((BATCH, io_heads, 0, io_width), np.float32)
-            for io in result.layout.layers for io_heads, io_width in (io.key, io.value)]
+    past = [np.zeros(shape, np.float32) for io in result.layout.layers for shape in io.shapes(BATCH, 0)]
     start, worst = 0, 0.0
     for step in range(steps + 1):
         pos = positions(rank, start, ids.shape[1])
@@ -99,12 +98,10 @@ def compare_with_transformers(model, result: hf.HFExportResult, steps: int = 1) 
         out = run([ids.numpy(), pos.numpy(), *past])
         worst = max(worst, _compare(out[0], want, f"step {step} logits"))
         past = out[1:]
-        for n, io in enumerate(result.layout.layers):
-            layer = cache.layers[io.index]
-            sliding = isinstance(layer, DynamicSlidingWindowLayer)
-            worst = max(worst, _compare(past[2 * n], layer.keys, f"step {step} layer {io.index} keys", sliding))
-            worst = max(worst, _compare(past[2 * n + 1], layer.values, f"step {step} layer {io.index} values",
-                                        sliding))
+        want_present = result.layout.present(cache)
+        for n, name in enumerate(result.layout.output_names()):
+            sliding = isinstance(cache.layers[int(name.split(".")[1])], DynamicSlidingWindowLayer)
+            worst = max(worst, _compare(past[n], want_present[n], f"step {step} {name}", sliding))
         start += ids.shape[1]
         ids = want[:, -1:].argmax(-1)
     return worst

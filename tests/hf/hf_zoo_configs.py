@@ -54,11 +54,13 @@ _MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_d_conv=4,
 OVERRIDES: dict[str, dict] = {
     "bamba": dict(_MAMBA, attn_layer_indices=[1]),
     "falcon_h1": dict(_MAMBA, mamba_d_ssm=64),
-    "granitemoehybrid": dict(_MAMBA, layer_types=["mamba", "attention"], shared_intermediate_size=16),
+    "granitemoehybrid": dict(_MAMBA, layer_types=["mamba", "attention"], shared_intermediate_size=16,
+                             position_embedding_type="rope"),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   mamba_d_state=8, mamba_dt_rank=4, use_mamba_kernels=False),
     "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=8, n_mamba_heads=4, mamba_headdim=16,
-                   attention_head_dim=16, kv_channels=8, adapter_rank=4, use_mamba_kernels=False, chunk_size=4),
+                   attention_head_dim=16, kv_channels=8, adapter_rank=4, use_mamba_kernels=False, chunk_size=4,
+                   use_mem_rope=True),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=32, attention_window_size=4,
                             num_key_value_heads=2),
     "zaya": dict(num_experts_per_tok=1),
@@ -138,3 +140,39 @@ def tiny_config(model_type: str, **extra):
               **_token_ids(default, VOCAB),
               **OVERRIDES.get(model_type, {}), **extra}
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+# -- which types the zoo holds ------------------------------------------------------------------
+
+# Every RoPE causal-LM model type of transformers 5.23 (its modeling file has a rotary function or
+# class; AutoModelForCausalLM maps it), in the zoo or out of it with the reason.
+ZOO_TYPES = tuple("""
+afmoe apertus arcee aria_text axk1 axk2 bailing_hybrid bamba beam bitnet codegen cohere cohere2 cohere2_moe
+cohere_compass_text cwm dbrx deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 diffllama doge dots1 ernie4_5
+ernie4_5_moe exaone4 exaone_moe falcon falcon_h1 flex_olmo flint gemma gemma2 gemma3_text gemma3n_text gemma4_text
+gemma4_unified_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt_neox gpt_neox_japanese gpt_oss gptj granite
+granite_swa granitemoe granitemoe_swa granitemoehybrid granitemoeshared helium hrm_text hunyuan_v1_dense
+hunyuan_v1_moe hy_v3 hy_v4 hyperclovax inkling2_text internlm3 iquestcoder jais2 jamba jetmoe kolibri1 laguna lfm2
+lfm2_moe lfm3 llama llama4_text longcat_flash mellum mimo_v2_flash minicpm3 minimax minimax_m2 minimax_m3_vl_text
+ministral ministral3 mistral mixtral modernbert-decoder moshi nanochat nemotron nemotron_h olmo olmo2 olmo3
+olmo_hybrid olmoe persimmon phi phi3 phi4_multimodal phimoe qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text
+qwen3_moe qwen3_next qwen4_exp_text recurrent_gemma seed_oss smollm3 solar_open stablelm starcoder2 vaultgemma youtu
+zamba2 zaya
+""".split())
+
+NOT_IN_ZOO = {
+    "gemma3": "multimodal wrapper: its text model gemma3_text is in the zoo",
+    "gemma3n": "multimodal wrapper: its text model gemma3n_text is in the zoo",
+    "gemma4": "multimodal wrapper: its text model gemma4_text is in the zoo",
+    "gemma4_unified": "multimodal wrapper: its text model gemma4_unified_text is in the zoo",
+    "qwen3_5": "multimodal wrapper: its text model qwen3_5_text is in the zoo",
+    "qwen3_5_moe": "multimodal wrapper: its text model qwen3_5_moe_text is in the zoo",
+    "qwen4_exp": "multimodal wrapper: its text model qwen4_exp_text is in the zoo",
+    "dots3_note": "multimodal wrapper of dots3_note_text",
+    "llama4": "multimodal wrapper: its text model llama4_text is in the zoo",
+    "mllama": "vision-language model whose causal LM needs cross-attention states from the vision tower",
+    "emu3": "builds its VQ image tokenizer with the text model (a default config of several GB)",
+    "roformer": "an encoder (RoFormerForCausalLM is its decoder head for seq2seq), no causal KV cache",
+    "blt": "byte latent transformer: local encoder/decoder and patcher configs a tiny config does not reach in 5 min",
+    "dots3_note_text": "its config keeps heads per layer (heterogeneity config); the generic shrink cannot set them",
+}
