@@ -109,16 +109,14 @@ class CacheLayout:
 
     def present(self, cache) -> list:
         """The flat present tensors of ``cache``'s layers."""
-        out = []
-        for io in self.layers:
-            layer = cache.layers[io.index]
-            for slot in io.slots:
-                kind, _, index = slot.name.partition(".")
-                out.append({"key": lambda: layer.keys, "value": lambda: layer.values,
-                            "indexer_key": lambda: layer.indexer_keys,
-                            "conv": lambda: layer.conv_states[int(index)],
-                            "recurrent": lambda: layer.recurrent_states[int(index)]}[kind]())
-        return out
+        return [_slot_tensor(cache.layers[io.index], slot.name) for io in self.layers for slot in io.slots]
+
+
+def _slot_tensor(layer, name: str) -> torch.Tensor:
+    kind, _, index = name.partition(".")
+    if kind in ("conv", "recurrent"):
+        return getattr(layer, f"{kind}_states")[int(index)]
+    return getattr(layer, {"key": "keys", "value": "values", "indexer_key": "indexer_keys"}[kind])
 
 
 def _set_state(layer, kind: str, index: int, tensor: torch.Tensor, kernel: int | None) -> None:
