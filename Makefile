@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup plugin demo test test-slow lint clean
+.PHONY: setup plugin demo test test-slow hf-zoo lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,16 @@ lint: setup
 test: lint plugin
 	$(PY) -m pytest -q
 
-# the tests marked slow (the whole block zoo through export_module and fuse at both opsets)
+# The tests marked slow: most of the transformers zoo (tests/hf/test_hf_zoo.py) and the rest of
+# the RoPE block zoo through export_module and fuse.
 test-slow: setup plugin
 	$(PY) -m pytest -q -m slow
+
+# Re-record every zoo type (tests/hf/hf_zoo_results.json) and re-render the README's zoo table.
+hf-zoo: setup plugin
+	rm -f build/hf_zoo.jsonl && mkdir -p build
+	HF_ZOO_RECORD=build/hf_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_zoo.py || true
+	$(PY) tests/hf/hf_zoo_table.py build/hf_zoo.jsonl
 
 clean:
 	rm -rf $(VENV) build out .pytest_cache .ruff_cache .hypothesis

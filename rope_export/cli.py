@@ -14,6 +14,7 @@ import sys
 COMMAND_MODULES = [
     "rope_export.presets",
     "rope_export.export",
+    "rope_export.hf.cli",  # adds the --hf options to export
     "rope_export.passes.cli",
     "rope_export.check",
     "rope_export.plugin_build",

@@ -355,10 +355,8 @@ def register(subparsers) -> None:
 
     parser.add_argument("--module", metavar="SPEC", help=f"export any RoPE module instead of a preset: {FACTORY_HELP}")
     parser.add_argument("--allow-decomposed", action="store_true",
-                        help="--module: write the file even if a rotation stayed decomposed (a warning, not an error)")
-    from rope_export.hf import register_hf_arguments  # here, not at the top: rope_export.hf imports this module
-
-    register_hf_arguments(parser)
+                        help="--module, --hf: write the file even if a rotation stayed decomposed (a warning, not "
+                             "an error)")
     parser.set_defaults(func=_run)
 
 
@@ -366,10 +364,6 @@ def _run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rope_export import hf
-
-    if hf.wants_hf_export(args):
-        return hf.run_hf_export(args)
     if args.module:
         from rope_export.module_export import run_module_export
 
