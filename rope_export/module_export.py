@@ -4,10 +4,13 @@ For a block from any library (torchtune, Meta's reference code, GPT-NeoX/GPT-J-s
 code, your own) the steps are:
 
 1. count the rotations one eager forward performs (``rope_export.detect.count_rotations``: by data
-   flow, independent of how the rotation is spelled);
-2. export the module with torch.onnx's dynamo exporter (batch and sequence dims dynamic where torch
-   allows, ``dynamic_shapes="auto"``);
-3. fuse every rotation of the traced graph into rope_export::RotaryEmbedding
+   flow, independent of how the rotation is spelled), recording which Python functions it ran;
+2. find the rotary functions among those (``rope_export.detect.functions``: read from the code,
+   each verified numerically against a form) and export the module with each of them routed
+   through the rotary op (``hook_functions=True``; where hooking is exact), on torch.onnx's dynamo
+   exporter (batch and sequence dims dynamic where torch allows, ``dynamic_shapes="auto"``); if the
+   hooked export fails, the module is exported as it is and the failure noted;
+3. fuse every rotation left in the traced graph into rope_export::RotaryEmbedding
    (``rope_export.passes.fuse``: found by what it computes, verified numerically before each
    rewrite; torch.onnx's own RotaryEmbedding-23 nodes at opset >= 23 are adopted);
 4. compare the count with the file's rotary nodes (``compare_with_file``): a rotation left
@@ -61,6 +64,7 @@ class ModuleExportResult:
     sites: list[SiteReport]
 
     notes: list[str] = field(default_factory=list)
+    hooked: list[str] = field(default_factory=list)  # "function -> form" for each hooked rotary function
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -80,7 +84,9 @@ class ModuleExportResult:
             refused = f"{s.refused} xPos-style scaled (not RoPE)" if s.refused else ""
             lines.append(f"{s.module_path or '<root>':<36} {s.rotations:>9} {s.fused:>5}  "
                          + ", ".join(p for p in (refused, why) if p))
+        lines += [f"hooked: {h}" for h in self.hooked]
         lines.append(self.count.as_text())
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -124,6 +130,7 @@ def export_module(
     input_names: list[str] | None = None,
     output_names: list[str] | None = None,
     allow_decomposed: bool = False,
+    hook_functions: bool = True,
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
 ) -> ModuleExportResult:
@@ -131,9 +138,11 @@ def export_module(
 
     ``dynamic_shapes``: ``"auto"`` (dims 0 and 1 of every tensor input dynamic where torch allows),
     ``None`` (static, the example's shapes) or torch.export's own specification. ``output``: the
-    file to write (atomically), or None. Raises DecomposedRotationError when a rotation stayed
-    decomposed (``allow_decomposed``: warn and keep going), RotationCountError when the file has
-    more rotary nodes than the module performs rotations.
+    file to write (atomically), or None. ``hook_functions``: route the rotary functions the module's
+    code calls through the op while tracing (False: fuse the traced graph only). Raises
+    DecomposedRotationError when a rotation stayed decomposed (``allow_decomposed``: warn and keep
+    going), RotationCountError when the file has more rotary nodes than the module performs
+    rotations.
     """
     from rope_export.export import _check_opset, _quiet_exporter, custom_translation_table
 
@@ -146,8 +155,13 @@ def export_module(
     if not isinstance(module, torch.nn.Module):
         raise ModuleExportError(f"expected a torch.nn.Module, got {type(module).__name__}")
     module = module.eval()
+    from rope_export.detect.functions import find_rotary_functions, recorded_calls, rotary_functions_hooked
+
     say("counting the rotations of one eager forward")
-    census = count_rotations(module, args, kwargs)
+    with recorded_calls() as called:
+        census = count_rotations(module, args, kwargs)
+    functions = find_rotary_functions(module, called=called) if hook_functions else []
+    notes: list[str] = []
     say(f"exporting with torch.onnx (dynamo, opset {opset})")
 
     def trace(shapes):
@@ -160,18 +174,32 @@ def export_module(
                                      dynamic_shapes=shapes, input_names=input_names, output_names=output_names,
                                      custom_translation_table=custom_translation_table(), verbose=verbose)
 
-    if dynamic_shapes == "auto":
+    def trace_shapes():
+        if dynamic_shapes != "auto":
+            return trace(dynamic_shapes)
         try:
-            program = trace(auto_dynamic_shapes(args, kwargs))
+            return trace(auto_dynamic_shapes(args, kwargs))
         except Exception:  # noqa: BLE001 - the shared names did not hold (e.g. a dim torch specializes)
             say("batch/seq shared across inputs did not trace; letting torch choose each dim")
-            program = trace(auto_dynamic_shapes(args, kwargs, shared=False))
-    else:
-        program = trace(dynamic_shapes)
+            return trace(auto_dynamic_shapes(args, kwargs, shared=False))
+
+    hooked: list[str] = []
+    program = None
+    if functions:
+        say(f"routing {len(functions)} rotary function(s) through the op: "
+            + ", ".join(f.qualified for f in functions))
+        try:
+            with rotary_functions_hooked(functions):
+                program = trace_shapes()
+            hooked = [f"{f.qualified} -> rope_export::RotaryEmbedding ({f.form.name})" for f in functions]
+        except Exception as exc:  # noqa: BLE001 - the plain export below still fuses them
+            notes.append(f"the export with rotary functions hooked failed ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:160]}); exported as written and fused instead")
+    if program is None:
+        program = trace_shapes()
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
     model = fuse(program.model, report=fusion, adopt_standard=True)  # in place: no copy of the weights
-    notes = []
     if _weight_bytes(model) < CHECK_LIMIT:
         onnx.checker.check_model(ir.to_proto(model), full_check=True)
     else:
@@ -187,7 +215,8 @@ def export_module(
     if output is not None:
         say(f"writing {output}")
         save_model(model, output)
-    return ModuleExportResult(model, None if output is None else Path(output), census, fusion, count, sites, notes)
+    return ModuleExportResult(model, None if output is None else Path(output), census, fusion, count, sites, notes,
+                              hooked)
 
 
 CHECK_LIMIT = 2**31 - 2**26  # below protobuf's 2 GB, with room for the graph

@@ -68,6 +68,15 @@ def test_every_form_exports_one_node_per_rotated_tensor(name):
     assert_matches_eager(result.model, name)
 
 
+def test_known_functions_are_hooked_the_rest_fused():
+    """Meta's apply_rotary_emb is found in the block's code and routed through the op while tracing;
+    torchtune's rotation is a method (no function to hook): the traced graph is fused."""
+    meta, torchtune = exported("meta"), exported("torchtune")
+    assert len(meta.hooked) == 1 and "apply_rotary_emb" in meta.hooked[0] and "(complex)" in meta.hooked[0]
+    assert meta.fusion.num_fused == 0 and meta.rotary_nodes == 2
+    assert torchtune.hooked == [] and torchtune.fusion.num_fused == 2
+
+
 @pytest.mark.parametrize("name", _params(rb.LOOK_ALIKES, ("xpos", "mismatched_angles")))
 def test_look_alikes_are_left_alone_and_the_report_says_why(name):
     result = exported(name)
