@@ -45,6 +45,7 @@ from rope_export.hf.cache_io import (
     CacheLayout,
     CausalLMWithCache,
     cache_layout,
+    check_sliding_layers,
     hf_example_inputs,
     hf_io_names,
 )
@@ -101,6 +102,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return chain
 
 
+_NO_FUNCTION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>")
 _STATIC_SEQ = re.compile(r"inferred a static shape of (\d+) for dimension inputs\['input_ids'\]\.shape\[1\]")
 _DATA_DEPENDENT = "GuardOnDataDependentSymNode"
 
@@ -116,6 +118,10 @@ def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError
     """One line naming the model and the innermost cause; an operator torch.onnx cannot translate is named."""
     chain = _chain(exc)
     text = _ANSI.sub("", "\n".join(str(e) for e in chain))
+    missing = sorted({f"torch.ops.{m.group(1)}.{m.group(2)}" for m in _NO_FUNCTION.finditer(text)})
+    if missing:
+        return HFExportError(f"exporting {type(model).__name__} failed: torch.onnx cannot translate "
+                             f"{', '.join(missing)} (no ONNX function is registered for it)")
     static = _STATIC_SEQ.search(text)
     if static:
         where = f" in its recurrent layers {_state_layers(model, layout)}" if layout.has_states else ""
@@ -250,6 +256,7 @@ def export_hf(
     notes: list[str] = []
     with model_state_kept(model):  # the eager forwards may let transformers cache things on its modules
         layout = cache_layout(model)
+        check_sliding_layers(model)
         batch, seq, past = example or ((2, 5, 3) if layout.has_states else (2, 4, 3))
         inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
                                    position_rank=fam.position_rank, layout=layout)
