@@ -26,6 +26,7 @@ import onnx
 import torch
 
 from rope_export import __version__
+from rope_export.detect import rotary_nodes
 from rope_export.detect.functions import recorded_calls
 from rope_export.export import (
     DTYPES,
@@ -181,14 +182,16 @@ def _name_dims(model: onnx.ModelProto, position_rank: int, layout: CacheLayout) 
                     dim.dim_param = "seq"
 
 
-def _fuse(model: onnx.ModelProto, notes: list[str]) -> onnx.ModelProto:
+def _fuse(model: onnx.ModelProto, notes: list[str], hooked: bool = False) -> onnx.ModelProto:
     """rope_export.passes.fuse on the traced graph; torch.onnx's ai.onnx RotaryEmbedding nodes adopted."""
     from rope_export.passes import FusionReport, fuse
 
     before = count_rotary_nodes(model)
     model = fuse(model, report=FusionReport(), adopt_standard=True)
-    notes.append(f"no rotary function verified: exported plain, rope_export.passes.fuse made "
-                 f"{count_rotary_nodes(model) - before} rotary node(s)")
+    made = count_rotary_nodes(model) - before
+    notes.append(f"rotations the hooked functions did not reach: rope_export.passes.fuse made {made} rotary node(s)"
+                 if hooked else f"no rotary function verified: exported plain, rope_export.passes.fuse made {made} "
+                 "rotary node(s)")
     return model
 
 
@@ -284,8 +287,8 @@ def export_hf(
         raise _export_failure(model, exc, layout) from exc
     _name_dims(onnx_model, fam.position_rank, layout)
     description = _describe(hook, fallback)
-    if hook is None and fallback != "plain":
-        onnx_model = _fuse(onnx_model, notes)
+    if fallback != "plain" and (hook is None or len(rotary_nodes(onnx_model)) < len(census.plain)):
+        onnx_model = _fuse(onnx_model, notes, hooked=hook is not None)  # what no hook reached is fused
     say("comparing the eager rotations with the file's rotary nodes")
     report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
                                notes=notes)
