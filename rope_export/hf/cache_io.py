@@ -144,6 +144,54 @@ def make_cache(model):
     return cache
 
 
+CHECKED_WINDOW = 256  # windows up to this are checked by running past them
+
+
+def _forward_names(model) -> set[str]:
+    """The global names the forward methods of the model's classes read."""
+    names = set()
+    for cls in {type(sub) for sub in model.modules()}:
+        forward = getattr(cls, "forward", None)
+        code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+        if code is not None:
+            names |= set(code.co_names)
+    return names
+
+
+def check_sliding_layers(model) -> None:
+    """Refuse, in one line, a model whose sliding-window attention relies on the cache dropping old keys.
+
+    The file keeps a sliding layer's whole past and lets the sliding mask do the windowing; that is
+    what transformers computes only if its attention masks by the window. One prefill past the
+    window and one decode step, with transformers' own cache and with the file's, must agree.
+    """
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    reference = DynamicCache(config=model.config)
+    windows = [layer.sliding_window for layer in reference.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    if not windows:
+        return
+    if max(windows) > CHECKED_WINDOW:  # too long to run past: the code must at least build a sliding mask
+        if not any("mask" in name and ("sliding" in name or "chunked" in name) for name in _forward_names(model)):
+            raise HFExportError(
+                f"{model.config.model_type}: its sliding-window layers (window {max(windows)}) build no sliding "
+                "mask (the cache drops old keys instead); the file keeps the whole past, so it would attend to "
+                "more keys than transformers does")
+        return
+    length = max(windows) + 2
+    ids = torch.arange(length + 1).remainder(text_config(model.config).vocab_size)[None]
+    logits = []
+    with torch.no_grad():
+        for cache in (reference, make_cache(model)):
+            model(input_ids=ids[:, :length], past_key_values=cache, use_cache=True)
+            logits.append(model(input_ids=ids[:, length:], past_key_values=cache, use_cache=True).logits)
+    if not torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4):
+        raise HFExportError(
+            f"{model.config.model_type}: its sliding-window layers (window {max(windows)}) rely on the cache dropping "
+            "old keys instead of masking them; the file keeps the whole past, so it would attend to more keys than "
+            "transformers does")
+
+
 def _layer_io(index: int, layer) -> LayerIO | None:
     """The I/O of one filled cache layer (None: it keeps nothing of its own, e.g. KV sharing)."""
     slots, kernels = [], []

@@ -26,6 +26,7 @@ import onnx
 import torch
 
 from rope_export import __version__
+from rope_export.detect import rotary_nodes
 from rope_export.detect.functions import recorded_calls
 from rope_export.export import (
     DTYPES,
@@ -45,6 +46,7 @@ from rope_export.hf.cache_io import (
     CacheLayout,
     CausalLMWithCache,
     cache_layout,
+    check_sliding_layers,
     hf_example_inputs,
     hf_io_names,
 )
@@ -101,6 +103,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return chain
 
 
+_NO_FUNCTION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>")
 _STATIC_SEQ = re.compile(r"inferred a static shape of (\d+) for dimension inputs\['input_ids'\]\.shape\[1\]")
 _DATA_DEPENDENT = "GuardOnDataDependentSymNode"
 
@@ -116,6 +119,10 @@ def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError
     """One line naming the model and the innermost cause; an operator torch.onnx cannot translate is named."""
     chain = _chain(exc)
     text = _ANSI.sub("", "\n".join(str(e) for e in chain))
+    missing = sorted({f"torch.ops.{m.group(1)}.{m.group(2)}" for m in _NO_FUNCTION.finditer(text)})
+    if missing:
+        return HFExportError(f"exporting {type(model).__name__} failed: torch.onnx cannot translate "
+                             f"{', '.join(missing)} (no ONNX function is registered for it)")
     static = _STATIC_SEQ.search(text)
     if static:
         where = f" in its recurrent layers {_state_layers(model, layout)}" if layout.has_states else ""
@@ -175,14 +182,16 @@ def _name_dims(model: onnx.ModelProto, position_rank: int, layout: CacheLayout) 
                     dim.dim_param = "seq"
 
 
-def _fuse(model: onnx.ModelProto, notes: list[str]) -> onnx.ModelProto:
+def _fuse(model: onnx.ModelProto, notes: list[str], hooked: bool = False) -> onnx.ModelProto:
     """rope_export.passes.fuse on the traced graph; torch.onnx's ai.onnx RotaryEmbedding nodes adopted."""
     from rope_export.passes import FusionReport, fuse
 
     before = count_rotary_nodes(model)
     model = fuse(model, report=FusionReport(), adopt_standard=True)
-    notes.append(f"no rotary function verified: exported plain, rope_export.passes.fuse made "
-                 f"{count_rotary_nodes(model) - before} rotary node(s)")
+    made = count_rotary_nodes(model) - before
+    notes.append(f"rotations the hooked functions did not reach: rope_export.passes.fuse made {made} rotary node(s)"
+                 if hooked else f"no rotary function verified: exported plain, rope_export.passes.fuse made {made} "
+                 "rotary node(s)")
     return model
 
 
@@ -250,6 +259,7 @@ def export_hf(
     notes: list[str] = []
     with model_state_kept(model):  # the eager forwards may let transformers cache things on its modules
         layout = cache_layout(model)
+        check_sliding_layers(model)
         batch, seq, past = example or ((2, 5, 3) if layout.has_states else (2, 4, 3))
         inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
                                    position_rank=fam.position_rank, layout=layout)
@@ -277,8 +287,8 @@ def export_hf(
         raise _export_failure(model, exc, layout) from exc
     _name_dims(onnx_model, fam.position_rank, layout)
     description = _describe(hook, fallback)
-    if hook is None and fallback != "plain":
-        onnx_model = _fuse(onnx_model, notes)
+    if fallback != "plain" and (hook is None or len(rotary_nodes(onnx_model)) < len(census.plain)):
+        onnx_model = _fuse(onnx_model, notes, hooked=hook is not None)  # what no hook reached is fused
     say("comparing the eager rotations with the file's rotary nodes")
     report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
                                notes=notes)

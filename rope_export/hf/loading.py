@@ -7,7 +7,6 @@ models, transformers' ``batched_mm`` experts implementation (its default, ``grou
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -32,9 +31,16 @@ def load_hf_config(path: str | os.PathLike):
         raise HFExportError(f"{path}: no such file or folder (give a config.json or the folder holding it)")
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise HFExportError(f"{path}: not a transformers config transformers can read: {first}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' config validation raises several kinds: say its reason
+        raise HFExportError(f"{path}: not a config transformers accepts: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause's message, on one line (strict-dataclass validation wraps the real ValueError)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text[:300] or type(exc).__name__
 
 
 def check_config(config) -> None:

@@ -44,8 +44,8 @@ def hf_metadata(model, family: HFFamily, *, hook_description: str, interleaved: 
     }
     try:
         rope, extra = rope_config_from_hf(model, family, interleaved=interleaved)
-    except (HFExportError, AttributeError, TypeError, ValueError) as exc:
-        meta["rope_note"] = f"RoPE parameters not recorded: {exc}"
+    except Exception as exc:  # noqa: BLE001 - best effort: per-layer configs (Gemma 4) refuse a global head_dim
+        meta["rope_note"] = f"RoPE parameters not recorded: {str(exc).splitlines()[0]}"
     else:
         meta["rope"] = json.dumps(rope.to_dict(), sort_keys=True)
         meta["rope_extra"] = json.dumps(extra, sort_keys=True)

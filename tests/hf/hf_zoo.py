@@ -108,7 +108,15 @@ def compare_with_transformers(model, result: hf.HFExportResult, steps: int = 1) 
 
 
 def build(model_type: str):
-    return hf.build_hf_model(tiny_config(model_type), seed=0)
+    """The type's tiny model; parameters transformers initialises to zero (routers, gates) get small random
+    values, so that no top-k choice is a tie the file and transformers may break differently."""
+    model = hf.build_hf_model(tiny_config(model_type), seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.numel() > 1 and parameter.is_floating_point() and not parameter.any():
+                parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator))
+    return model
 
 
 def check_type(model_type: str) -> ZooResult:

@@ -78,7 +78,8 @@ OVERRIDES: dict[str, dict] = {
     "codegen": dict(rotary_dim=4),
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0),
                                                  "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}),
-    "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention"]),
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2,
+                           indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=2),
     "longcat_flash": dict(num_layers=1, ffn_hidden_size=64, expert_ffn_hidden_size=16, moe_topk=2, zero_expert_num=2),
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 
 import numpy as np
 import onnx
@@ -457,6 +458,7 @@ def test_cli_exports_a_local_config_with_local_weights(tmp_path, capsys):
     assert hf.wants_hf_export(args) and hf.run_hf_export(args) == 0
     printed = capsys.readouterr().out
     assert "rope_export::RotaryEmbedding nodes" in printed and "qwen2" in printed
+    assert re.search(r"rotations in eager transformers\s*│\s*2\b", printed)  # both counts in the summary
     onnx_model = onnx.load_model(out)
     assert export_module.count_rotary_nodes(onnx_model) == 2
     meta = hf.read_hf_metadata(onnx_model)
