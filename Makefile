@@ -19,7 +19,7 @@ TRT_LEAN10_DIR := build/trt-lean-10
 export TENSORRT_INCLUDE_DIR
 export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
 
-.PHONY: setup plugin trt-lean demo test test-slow lint clean
+.PHONY: setup plugin trt-lean demo test test-slow hf-zoo lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,9 +56,16 @@ test: lint plugin trt-lean
 
 # The tests marked slow, left out of `make test` (minutes; the real-size ones take ~3 GB of memory and
 # ~8 GB of free disk in $$TMPDIR): a model past protobuf's 2 GB limit exported, lowered to every target
-# and fused; every lowering of every transformers family checked.
+# and fused; every lowering of every transformers family checked; most of the transformers zoo
+# (tests/hf/test_hf_zoo.py) and the rest of the RoPE block zoo through export_module and fuse.
 test-slow: setup plugin
 	$(PY) -m pytest -q -m slow --durations=0
+
+# Re-record every zoo type (tests/hf/hf_zoo_results.json) and re-render the README's zoo table.
+hf-zoo: setup plugin
+	rm -f build/hf_zoo.jsonl && mkdir -p build
+	HF_ZOO_RECORD=build/hf_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_zoo.py || true
+	$(PY) tests/hf/hf_zoo_table.py build/hf_zoo.jsonl
 
 clean:
 	rm -rf $(VENV) build out .pytest_cache .ruff_cache .hypothesis

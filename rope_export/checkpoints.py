@@ -114,22 +114,25 @@ def materialize(model: nn.Module, dtype: torch.dtype | None = None) -> int:
 
 
 def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os.PathLike | None = None,
-                    seed: int = 0, attn_implementation: str = "eager",
+                    seed: int = 0, options: dict | None = None,
                     progress: Callable[[str], None] | None = None) -> tuple[nn.Module, LoadReport]:
-    """``auto_class``'s model of ``config`` in ``dtype``: random (``seed``) or from the folder ``weights``."""
+    """``auto_class``'s model of ``config`` in ``dtype``: random (``seed``) or from the folder ``weights``.
+
+    ``options``: keyword arguments of ``from_config``/``from_pretrained`` (default: eager attention)."""
+    options = {"attn_implementation": "eager", **(options or {}), "dtype": dtype}
     if weights is not None:
         plan = _checkpoint_plan(Path(weights))
     # Sized first with everything on the meta device: a module may allocate a parameter on the CPU before
     # registering it (nn.Embedding does), so a vocab_size of 1e10 must be refused before the build below.
     with torch.device("meta"):
-        sizing = auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+        sizing = auto_class.from_config(config, **options)
     check_allocation(f"the {config.model_type} model",
                      {"parameters and buffers": sum(t.numel() * t.element_size()
                                                     for t in (*sizing.parameters(), *sizing.buffers()))},
                      "check the config's sizes (vocab_size, hidden_size, num_hidden_layers, ...)")
     del sizing
     with parameters_on_meta():
-        model = auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+        model = auto_class.from_config(config, **options)
     if weights is None:
         allocated = materialize(model, dtype)
         detail(progress, f"initializing {gb(allocated)} of random weights")
@@ -143,8 +146,7 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
     if mismatch:
         del model
         detail(progress, f"loading with transformers' from_pretrained ({mismatch})")
-        model = auto_class.from_pretrained(str(weights), config=config, local_files_only=True,
-                                           attn_implementation=attn_implementation, dtype=dtype)
+        model = auto_class.from_pretrained(str(weights), config=config, local_files_only=True, **options)
         return model.eval(), LoadReport("transformers", reason=mismatch)
     materialize(model, dtype)
     report = load_safetensors(model, plan, progress)

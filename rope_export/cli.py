@@ -24,6 +24,8 @@ from collections.abc import Iterator
 COMMAND_MODULES = [
     "rope_export.presets",
     "rope_export.export",
+    "rope_export.module_export",  # adds --module and --allow-decomposed to export
+    "rope_export.hf.cli",  # adds the --hf options to export
     "rope_export.passes.cli",
     "rope_export.check",
     "rope_export.plugin_build",

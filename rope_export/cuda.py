@@ -140,7 +140,7 @@ def _prepared(x, cos_cache, sin_cache, position_ids, out):
     for t in tensors:
         if t.device.type != "cuda" or t.device != device:
             raise ValueError(f"the CUDA kernels take CUDA tensors on one device, got {t.device} beside {device}; "
-                             "rope_export.plugin.run picks the CPU twin for CPU tensors")
+                             "CPU tensors run on the CPU twin: rope_export.plugin.run")
     # Contiguous views keep their address (misaligned or not): the kernels choose their path from it.
     x, cos_cache, sin_cache = (t.contiguous() for t in (x, cos_cache, sin_cache))
     position_ids = position_ids.contiguous() if position_ids is not None else None

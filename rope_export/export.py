@@ -405,21 +405,15 @@ def register(subparsers) -> None:
     parser.add_argument("--verbose", action="store_true", help="show torch.onnx's own messages")
     parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     add_output_arguments(parser)
-    from rope_export.hf import register_hf_arguments  # here, not at the top: rope_export.hf imports this module
-
-    register_hf_arguments(parser)
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=_run)  # rope_export.module_export and rope_export.hf.cli add their options and routes
 
 
 def _run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rope_export import hf
     from rope_export.steps import cli_steps
 
-    if hf.wants_hf_export(args):
-        return hf.run_hf_export(args)
     console = Console()
     with cli_steps(console, f"rope-export export: {args.output}", args.summary_json) as steps:
         result = export(args.preset, args.output, dtype=args.dtype, opset=args.opset, decode=args.decode,

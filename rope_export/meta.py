@@ -90,12 +90,12 @@ def swapped_modules(model: nn.Module, replacements: dict[str, nn.Module]) -> Ite
         except AttributeError as exc:
             raise MetaRopeError(f"the model has no submodule {name!r}: {exc}") from None
         changes.append((parent._modules, child, new))
-    with _dict_items_patched(changes):
+    with dict_items_patched(changes):
         yield
 
 
 @contextlib.contextmanager
-def _dict_items_patched(changes: list[tuple[dict, str, object]]) -> Iterator[None]:
+def dict_items_patched(changes: list[tuple[dict, str, object]]) -> Iterator[None]:
     undo = []
     try:
         for mapping, key, value in changes:
@@ -307,5 +307,5 @@ def meta_rope_hooked(
         else:
             changes.append((owner, name, torch.view_as_real(value)))
         hook.tensors.append(qualified)
-    with _dict_items_patched(buffer_changes), patched(changes):
+    with dict_items_patched(buffer_changes), patched(changes):
         yield hook

@@ -455,10 +455,10 @@ def run(
     out: torch.Tensor | None = None,
     blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, TwinPlan]:
-    """Run the kernels' code; same arguments as rope_export.reference.rotary_embedding.
+    """Run the kernels' code on the CPU twin; same arguments as rope_export.reference.rotary_embedding.
 
-    The backend follows the tensors' device: CPU tensors run on the CPU twin, CUDA tensors on the
-    CUDA kernels themselves (rope_export.cuda, PyTorch's current stream). Returns the output and the
+    CPU tensors only: CUDA tensors run on the CUDA kernels themselves through
+    ``rope_export.cuda.rotary_embedding`` (same arguments and result). Returns the output and the
     launch plan (vector or scalar path, grid). ``force_scalar`` takes the scalar path where the
     vector one could run; ``blocks=(begin, end)`` (CPU twin only) runs only those grid blocks along
     x (tests of huge shapes); ``out`` is written in place when given. Non-contiguous tensors are
@@ -467,17 +467,11 @@ def run(
     its element size (``torch.frombuffer(buf, offset=2)`` of float32) is copied to aligned memory
     first, the output included (the kernels, like a GPU, refuse such pointers).
     """
-    if x.device.type == "cuda" and blocks is None:
-        from rope_export import cuda
-
-        return cuda.rotary_embedding(x, cos_cache, sin_cache, position_ids, interleaved=interleaved,
-                                     num_heads=num_heads, rotary_embedding_dim=rotary_embedding_dim,
-                                     force_scalar=force_scalar, out=out)
     tensors = [x, cos_cache, sin_cache] + ([position_ids] if position_ids is not None else [])
     for t in tensors:
         if t.device.type != "cpu":
             raise ValueError(f"the CPU twin takes CPU tensors, got one on {t.device}; move it with .cpu() "
-                             "(CUDA tensors run on the CUDA kernels, without blocks=)")
+                             "(CUDA tensors run on the CUDA kernels: rope_export.cuda.rotary_embedding)")
     x, cos_cache, sin_cache = (t.contiguous() if _element_aligned(t) else t.clone() for t in (x, cos_cache, sin_cache))
     if position_ids is not None:
         position_ids = position_ids.contiguous() if _element_aligned(position_ids) else position_ids.clone()

@@ -101,13 +101,17 @@ def test_positions_outside_the_cache_pass_the_token_through_bit_for_bit(dtype, c
                            original.view(torch.int16 if dtype != torch.float32 else torch.int32))
 
 
-def test_the_binding_picks_the_backend_by_device():
+def test_each_binding_refuses_the_other_device_and_names_the_right_one():
     cpu, dev, attrs = _case(torch.float16, torch.float32)
-    on_gpu, gpu_plan = plugin.run(*dev, **attrs)  # CUDA tensors: the CUDA kernels
-    on_cpu, cpu_plan = plugin.run(*cpu, **attrs)  # CPU tensors: the twin
+    on_gpu, gpu_plan = cuda.rotary_embedding(*dev, **attrs)
+    on_cpu, cpu_plan = plugin.run(*cpu, **attrs)
     torch.cuda.synchronize()
     assert on_gpu.device.type == "cuda" and on_cpu.device.type == "cpu" and gpu_plan == cpu_plan
     assert tolerance("op", "float16").allclose(on_gpu.cpu().float(), on_cpu.float())
+    with pytest.raises(ValueError, match="rope_export.cuda.rotary_embedding"):
+        plugin.run(*dev, **attrs)
+    with pytest.raises(ValueError, match="rope_export.plugin.run"):
+        cuda.rotary_embedding(*cpu, **attrs)
 
 
 def test_q_and_k_in_one_launch_equal_two_launches():

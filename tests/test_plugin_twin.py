@@ -209,6 +209,13 @@ def test_contract_errors_come_from_the_cpp_rules():
         plugin.run(x, cos, sin.float(), num_heads=2)
 
 
+def test_tensors_off_the_cpu_are_refused_with_the_binding_that_takes_them():
+    x = torch.randn(1, 2, 2, 4, device="meta")
+    cos = sin = torch.randn(2, 2)
+    with pytest.raises(ValueError, match="CPU tensors, got one on meta.*rope_export.cuda.rotary_embedding"):
+        plugin.run(x, cos, sin)
+
+
 def test_empty_tensors_are_fine():
     x = torch.randn(0, 3, 16)
     out, plan = plugin.run(x, torch.randn(0, 3, 4), torch.randn(0, 3, 4), num_heads=2)

@@ -1,6 +1,6 @@
 """Section 1: RoPE alone on onnxruntime CPU, every lowering against the decomposed form.
 
-The models are issue 4's (``rope_export.bench_passes``): transformers' ``x * cos +
+The models are issue 4's (``rope_export.bench.passes``): transformers' ``x * cos +
 rotate_half(x) * sin`` with cos/sin read from a table by ``position_ids`` (the full run also
 takes cos/sin computed from ``inv_freq`` in the graph, as transformers exports it), exported by a plain
 ``torch.onnx.export`` (the baseline, "decomposed: plain torch.onnx export"), then fused into one
@@ -117,7 +117,7 @@ def rope_models(case: RopeCase) -> dict:
 
 @functools.cache
 def _variants(source: str, dtype: str, head_dim: int) -> dict:
-    from rope_export import bench_passes
+    from rope_export.bench import passes as bench_passes
 
     return bench_passes.variants(source, dtype, head_dim)
 
@@ -296,9 +296,9 @@ def run_section(cases: list[RopeCase], threads: int, rounds: dict[str, int], say
         "title": "RoPE alone, onnxruntime CPU",
         "runtime": f"onnxruntime CPUExecutionProvider, intra-op threads {threads}; torch eager and copy: "
                    f"torch.set_num_threads({threads})",
-        "models": "issue 4's bench_passes.variants(source, dtype, head_dim): transformers' rotate-half with "
-                  "cos/sin gathered from a table by position_ids (source 'table') or computed from inv_freq in "
-                  "the graph as transformers exports it (source 'computed'), exported by torch.onnx "
+        "models": "issue 4's rope_export.bench.passes.variants(source, dtype, head_dim): transformers' "
+                  "rotate-half with cos/sin gathered from a table by position_ids (source 'table') or computed "
+                  "from inv_freq in the graph as transformers exports it (source 'computed'), exported by torch.onnx "
                   "(TorchScript, opset 17), then rope_export.passes.fuse + lower",
         "bytes_definition": "read x + the cos/sin rows used (rd/2 per token and table) + write the output, q and k",
         "ratios": "speedup_vs_decomposed = median(baseline) / median(runner); fraction_of_copy = "

@@ -13,7 +13,19 @@ ops such as Cos/Sin/Cast/Mul-by-a-scalar, the duplication itself) to its source:
   no position_ids.
 
 The duplication must be proven: by the graph (a Concat of one value with itself, a
-repeat_interleave block) or numerically for constant tables. Otherwise the site is left alone.
+repeat_interleave block) or numerically for constant tables.
+
+Spellings this structural trace does not follow (a stacked ``[max_pos, d, 2]`` table read with a
+select, cos/sin sliced and re-interleaved after an Unsqueeze, einops' repeat, a trailing pair axis)
+are handled by two generic sources, found by evaluating the graph (``_probe``):
+
+* ``table_traces``: cos/sin read from one constant table by computed indices (Gather/GatherND):
+  the ``[max_pos, rd/2]`` tables are the cos/sin path evaluated for every row, the indices become
+  the op's position ids;
+* ``graph_trace`` (kind ``graph``): anything else computed per token: the cos/sin values as the
+  site uses them, reduced in the graph to ``[B, S, rd/2]`` (head 0, first channel of each pair).
+
+Every source is checked afterwards by running the site against the op contract (``_verify``).
 """
 
 from __future__ import annotations
@@ -23,7 +35,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from rope_export.passes._values import const_array, dim, last_element, rank_of, same_dim, static_ints, static_length
+from rope_export.passes._probe import Probe, ProbeError
+from rope_export.passes._site import Form, SkipSite, tokens_of
+from rope_export.passes._values import (
+    INT64_MAX,
+    const_array,
+    dim,
+    last_element,
+    rank_of,
+    same_dim,
+    static_ints,
+    static_length,
+)
 
 UNARY = {"Cos", "Sin", "Cast", "Identity", "Neg"}
 BINARY_SCALAR = {"Mul", "Div", "Add", "Sub"}
@@ -37,7 +60,7 @@ class TraceError(Exception):
 class Trace:
     """Result of following one of C/S back to its source."""
 
-    kind: str  # "gather" or "per-token"
+    kind: str  # "gather", "per-token" or "graph"
     head_axis: int  # axis of the 4-D x that C broadcasts over (1: [B, H, S, D], 2: [B, S, H, D])
     seq_axis: int
     base: ir.Value | None = None  # per-token: the half-width value the element-wise steps start from
@@ -45,10 +68,12 @@ class Trace:
     steps: list[tuple[ir.Node, int]] = field(default_factory=list)  # element-wise (node, input index)
     table: np.ndarray | None = None  # gather: [max_pos, rd/2] after the element-wise steps
     positions: ir.Value | None = None  # gather: the index input
+    product: ir.Value | None = None  # graph: a product with this value (its shape: the value broadcast)
 
     @property
     def source(self) -> str:
-        return "Gather(cache, position_ids)" if self.kind == "gather" else "computed in the graph"
+        return {"gather": "Gather(cache, position_ids)", "graph": "as the site computes them"}.get(
+            self.kind, "computed in the graph")
 
 
 def _unsqueeze_axes(node: ir.Node) -> list[int] | None:
@@ -303,3 +328,101 @@ def gather_inputs(op, tr: Trace, x: ir.Value, name: str) -> tuple[ir.Value, ir.V
     if not (has_batch and same_dim(tr.positions, 0, x, 0) and same_dim(tr.positions, 1, x, tr.seq_axis)):
         pos = op.Expand(pos, _tokens_shape(op, x, tr.seq_axis))
     return table, pos
+
+
+# -- generic sources ---------------------------------------------------------------------------------
+
+def _table_gathers(value: ir.Value) -> list[tuple[np.ndarray, ir.Value]]:
+    """(constant table, index value) of every Gather/GatherND of a constant table on value's path."""
+    found, stack, seen = [], [value], set()
+    while stack and len(seen) < 200:
+        v = stack.pop()
+        if v is None or v in seen:
+            continue
+        seen.add(v)
+        node = v.producer()
+        if node is None:
+            continue
+        if node.op_type in ("Gather", "GatherND") and node.domain in ("", "ai.onnx"):
+            table = const_array(node.inputs[0])
+            if table is not None and table.ndim >= 2:
+                gathered = _gathered_index(node)
+                if gathered is not None:
+                    found.append((table, gathered))
+                    continue
+        stack.extend(node.inputs)
+    return found
+
+
+def _gathered_index(node: ir.Node) -> ir.Value | None:
+    if node.op_type == "Gather":
+        axis = node.attributes.get("axis")
+        return node.inputs[1] if axis is None or axis.as_int() == 0 else None
+    batch_dims = node.attributes.get("batch_dims")
+    unsq = node.inputs[1].producer()
+    if (batch_dims is not None and batch_dims.as_int() != 0) or unsq is None or unsq.op_type != "Unsqueeze" \
+            or dim(node.inputs[1], -1) != 1:
+        return None
+    return unsq.inputs[0]
+
+
+def table_traces(probe: Probe, cos: ir.Value, sin: ir.Value, rank: int, layout: str, form: Form,
+                 pairs: bool) -> tuple[Trace, Trace] | None:
+    """cos and sin as ``[rows, rd/2]`` tables read by one index value, or None."""
+    head_axis = 1 if layout == "bhsd" else 2
+    for table, index in _table_gathers(cos):
+        rows, symbols = table.shape[0], probe.symbols(index)
+        if len(symbols) not in (1, 2) or symbols[-1] is None:
+            continue
+        sizes = {symbols[-1]: rows}
+        if len(symbols) == 2:
+            if symbols[0] is None and dim(index, 0) != 1:
+                continue
+            if symbols[0] is not None:
+                sizes[symbols[0]] = 1
+        at_rows = probe.with_sizes(sizes)
+        shape = at_rows.shape(index)
+        if shape is None or not dtype_is_int(index):
+            continue
+        feed = np.arange(rows).reshape(shape).astype(index.dtype.numpy())
+        try:
+            cos_all, sin_all = at_rows.run([cos, sin], {index: feed})
+            cos_rows = tokens_of(cos_all, rank, layout, form, pairs)[0]
+            sin_rows = tokens_of(sin_all, rank, layout, form, pairs)[0]
+        except (ProbeError, ValueError, TypeError):
+            continue
+        return tuple(Trace("gather", head_axis, 3 - head_axis, table=np.ascontiguousarray(t), positions=index)
+                     for t in (cos_rows, sin_rows))
+    return None
+
+
+def dtype_is_int(value: ir.Value) -> bool:
+    return value.dtype in (ir.DataType.INT64, ir.DataType.INT32)
+
+
+def graph_trace(probe: Probe, value: ir.Value, product: ir.Value, layout: str) -> Trace:
+    """The cos (or sin) value as the site computes it; refused when it is a constant."""
+    try:
+        probe.run([value], {})
+    except ProbeError:
+        head_axis = 1 if layout == "bhsd" else 2
+        return Trace("graph", head_axis, 3 - head_axis, base=value, product=product)
+    raise SkipSite("cos/sin are constants that do not depend on positions (the export folded them); not fused")
+
+
+def graph_per_token_value(op, tr: Trace, form: Form, pairs: bool) -> ir.Value:
+    """[B, S, rd/2] from the value the site multiplies by: broadcast without the heads, head 0."""
+    shape = op.Shape(tr.product)
+    head, seq = tr.head_axis, tr.seq_axis
+
+    def part(start, end):
+        return op.Slice(shape, _const(op, [start]), _const(op, [end]), _const(op, [0]))
+
+    target = op.Concat(part(0, head), _const(op, [1]), part(head + 1, INT64_MAX), axis=0)
+    tokens = op.Reshape(op.Expand(tr.base, target), op.Concat(part(0, 1), part(seq, seq + 1), _const(op, [-1]),
+                                                              axis=0))
+    if pairs:
+        return tokens
+    if form.interleaved:
+        return op.Slice(tokens, _const(op, [0]), _const(op, [form.rd]), _const(op, [-1]), _const(op, [2]))
+    return op.Slice(tokens, _const(op, [0]), _const(op, [form.rd // 2]), _const(op, [-1]))

@@ -1,37 +1,52 @@
-"""What the fusion rules share: the report, the check of a matched site (shapes, slices, the cos/sin
-trace) and the replacement (one rope_export::RotaryEmbedding node, plus Reshapes for [B, S, H, D]).
+"""What the fusion rules share: the report, the analysis of a matched site and its replacement.
+
+A rule (``fuse_*.py``) gives the pattern of a rotation's arithmetic and says which matched values are
+the rotated operands and which are cos/sin (``Candidate``). Everything else is common and decided by
+running the matched ops (``_site``, ``_probe``): that the operands are the source tensor's channels,
+rotate-half or interleaved pairs, the rotated width, the sign of sin, the layout; where cos/sin come
+from (``_cos_sin``); and, last, that the ops equal the op contract with those caches on random
+inputs (``_verify``). The rewrite is one rope_export::RotaryEmbedding node (plus Reshapes for
+[B, S, H, D] tensors).
+
+Variants of each rule (one rule object each): ``partial`` wraps the rotation in
+``cat(rotation(q[..., :rd]), q[..., rd:])``; ``upcast`` allows it to be computed in float32 under a
+half-precision tensor, ``cast(rotation(cast(q, f32)), q.dtype)``, which is the op contract with
+float32 caches.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
-from rope_export.passes._cos_sin import Trace, TraceError, gather_inputs, per_token_value, trace
-from rope_export.passes._values import (
-    FLOAT_TYPES,
-    INT64_MAX,
-    dim,
-    dtype_name,
-    dtype_of,
-    last_element,
-    normalize_axis,
-    rank_of,
-    static_ints,
-    static_length,
+from rope_export.passes._cos_sin import (
+    Trace,
+    TraceError,
+    gather_inputs,
+    graph_per_token_value,
+    graph_trace,
+    per_token_value,
+    table_traces,
+    trace,
 )
+from rope_export.passes._probe import EvaluationFailed, Probe
+from rope_export.passes._site import Candidate, Form, SkipSite, cast_chain, check_dtype, classify, layout_of
+from rope_export.passes._values import dim, dtype_of
+from rope_export.passes._verify import verify
+
+__all__ = ["FusionReport", "FuseRotary", "NotASite", "SiteRecord", "SkipSite", "STAGES", "rule_variants"]
 
 
 @dataclass
 class SiteRecord:
     site: str  # the output value of the decomposed rotation (before any partial Concat)
     status: str  # "fused", "left alone", "already fused", "other rotary op"
-    form: str = ""  # rotate-half / interleaved (+ partial)
+    form: str = ""  # rotate-half / interleaved (+ pairs, partial, ...)
     detail: str = ""  # fused: layout, cos/sin source; left alone: why
 
 
@@ -55,6 +70,8 @@ class FusionReport:
             return
         if larger_form:
             self.larger_form_misses[site] = f"{form}: {reason}"
+            if site in self.records:
+                return  # the inner form's own reason stays
         self.records[site] = SiteRecord(site, "left alone", form, reason)
 
     def seen(self, site: str, status: str, form: str, detail: str) -> None:
@@ -75,89 +92,29 @@ class FusionReport:
         return "\n".join(lines)
 
 
-class SkipSite(Exception):
-    """Raised by a rule's check: the site is left alone, the message says why."""
+class NotASite(Exception):
+    """The matched arithmetic is not a rotation of a tensor's channels at all: no report row."""
 
 
 @dataclass
 class Site:
-    """A matched decomposed rotation, checked: everything the rewrite needs."""
+    """A matched rotation, analysed and verified: everything the rewrite needs."""
 
     key: str
-    x: ir.Value  # the tensor handed to the fused op (the whole head when partial)
-    rd: int
-    head_dim: int | None
-    partial: bool
-    cos: Trace
-    sin: Trace
+    y: ir.Value  # the value the fused node replaces
+    x: ir.Value  # the op's X (the whole head when partial)
+    candidate: Candidate
+    form: Form
     layout: str  # "bhsd" or "bshd"
     heads: int | None
-    cos_value: ir.Value
-    sin_value: ir.Value
+    cos: Trace
+    sin: Trace
+    product_rank: int  # rank of cos's product with the channels (4, or 5 for [..., d/2, 1] pairs)
+    source_shape: tuple[int, ...]  # the rotated tensor's shape in the probes
 
-
-def is_last_axis(axes: ir.Value | None, rank: int) -> bool:
-    values = static_ints(axes) if axes is not None else None
-    return values is not None and len(values) == 1 and normalize_axis(values[0], rank) == rank - 1
-
-
-def slice_bounds(node_inputs: list, rank: int, known: dict | None = None) -> tuple[int, int, int] | None:
-    """(start, end, step) of a one-axis Slice on the last axis, else None."""
-    starts, ends = node_inputs[1], node_inputs[2]
-    axes = node_inputs[3] if len(node_inputs) > 3 else None
-    steps = node_inputs[4] if len(node_inputs) > 4 else None
-    if not is_last_axis(axes, rank):  # no axes input: the Slice is on axis 0
-        return None
-    s, e = static_ints(starts, known), static_ints(ends, known)
-    st = [1] if steps is None else static_ints(steps, known)
-    if s is None or e is None or st is None or len(s) != 1 or len(e) != 1 or len(st) != 1:
-        return None
-    return s[0], e[0], st[0]
-
-
-def concat_on_last(node: ir.Node, rank: int) -> bool:
-    axis = node.attributes.get("axis")
-    return axis is not None and normalize_axis(axis.as_int(), rank) == rank - 1
-
-
-def pairs_math(op, x1, x2, cos, sin):
-    """Pattern of one rotation per pair: (x1*c - x2*s, x1*s + x2*c)."""
-    y1 = op.Sub(op.Mul(x1, cos), op.Mul(x2, sin))
-    y2 = op.Add(op.Mul(x1, sin), op.Mul(x2, cos))
-    return y1, y2
-
-
-def _unsqueeze_axes_of(node: ir.Node) -> list[int] | None:
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        return static_ints(node.inputs[1])
-    attr = node.attributes.get("axes")
-    return list(attr.as_ints()) if attr is not None else None
-
-
-def check_stack_pairs(bindings: dict, rank: int) -> None:
-    """The two Unsqueeze + Concat of ``torch.stack(..., dim=-1)`` on the pairs' new last axis."""
-    for name in ("first_u", "second_u"):
-        axes = _unsqueeze_axes_of(bindings[name].producer())
-        if axes is None or len(axes) != 1 or axes[0] % (rank + 1) != rank:
-            raise SkipSite("the pairs are not stacked on a new last axis")
-    if not concat_on_last(bindings["stacked"].producer(), rank + 1):
-        raise SkipSite("the pairs are not stacked on a new last axis")
-
-
-def check_flatten_pairs(bindings: dict, rank: int, width: int) -> None:
-    """The Reshape after the stack flattens [..., w/2, 2] back to [..., w] (rank ``rank``).
-
-    It is rank ``rank`` and its last dim, where known, is ``width``; with the same element count
-    and a result that broadcasts against x, that Reshape can only be ``flatten(-2)``.
-    """
-    flat, shape_value = bindings["flat"], bindings["flat_shape"]
-    out_rank = rank_of(flat) or static_length(shape_value)
-    out_last = dim(flat, -1) if rank_of(flat) else None
-    if out_last is None:
-        last = last_element(shape_value)
-        out_last = width if last == -1 else last
-    if out_rank != rank or out_last not in (None, width):
-        raise SkipSite("the Reshape after the stack does not flatten the pairs back to the rotated width")
+    @property
+    def partial(self) -> bool:
+        return self.form.rd < self.form.width
 
 
 def key_of(value: ir.Value) -> str:
@@ -165,199 +122,242 @@ def key_of(value: ir.Value) -> str:
 
 
 class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
-    """Base of the fusion rules; a subclass gives the rotation ``core`` pattern and its checks.
+    """Base of the fusion rules: ``core`` is the pattern of the rotation (its output named "core"),
+    ``candidate`` names the rotated tensor and cos/sin among the matched values."""
 
-    Variants (one rule object each): ``partial`` wraps the core in the partial split
-    ``cat(core(q[..., :rd]), q[..., rd:])``; ``upcast`` (with partial) also allows the rotated part
-    to be computed in float32, ``cat(cast(core(cast(q[..., :rd], f32)), q.dtype), q[..., rd:])``,
-    which is exactly the op contract with float32 caches under a half-precision q.
-    """
+    spelling: str = ""  # appended to the form in the report ("pairs", ...)
 
-    form: str = ""  # "rotate-half" / "interleaved"
-    dup: str | None = None  # how cos/sin repeat each frequency (see _cos_sin.trace)
-
-    def __init__(self, report: FusionReport, memo: dict, partial: bool = False, upcast: bool = False):
-        variant = ("-partial" if partial else "") + ("-upcast" if upcast else "")
-        super().__init__(name=f"fuse-{self.form}{self.variant_tag}{variant}")
-        self.partial = partial
-        self.upcast = upcast
-        self.report = report
-        self.memo = memo
-
-    variant_tag = ""
+    def __init__(self, report: FusionReport, memo: dict, partial: bool = False, upcast: bool = False,
+                 variant: str = ""):
+        suffix = ("-partial" if partial else "") + ("-upcast" if upcast else "")
+        super().__init__(name=f"fuse-{type(self).__name__}{variant}{suffix}")
+        self.partial, self.upcast = partial, upcast
+        self.report, self.memo = report, memo
 
     def as_rule(self) -> pattern.RewriteRule:
-        # remove_nodes=False: the matched nodes are left for the final dead-code pass rather than
-        # removed at once, so a site still fuses when an intermediate value also feeds shape
-        # arithmetic (the TorchScript exporter computes slice bounds from Shape(x[..., :rd])); if
-        # such a value has a live consumer, its old computation simply stays.
+        # remove_nodes=False: the matched nodes are left for the dead-code pass between stages, so a
+        # site still fuses when an intermediate value also feeds shape arithmetic (the TorchScript
+        # exporter computes slice bounds from Shape(x[..., :rd])).
         return pattern.RewriteRule(self.pattern, self.rewrite, self.check, name=self.name, remove_nodes=False)
 
     # -- pattern ----------------------------------------------------------------------------------
     @staticmethod
     def _slice(op, x, tag: str):
-        return op.Slice(
-            x,
-            pattern.Var(f"{tag}_starts"),
-            pattern.Var(f"{tag}_ends"),
-            pattern.Var(f"{tag}_axes", can_match_none=True),
-            pattern.Var(f"{tag}_steps", can_match_none=True),
-            _outputs=[f"{tag}_out"],
-        )
+        return op.Slice(x, pattern.Var(f"{tag}_starts"), pattern.Var(f"{tag}_ends"),
+                        pattern.Var(f"{tag}_axes", can_match_none=True),
+                        pattern.Var(f"{tag}_steps", can_match_none=True), _outputs=[f"{tag}_out"])
 
     @abc.abstractmethod
-    def core(self, op, x, cos, sin):
-        """The pattern of the rotation of x (its output named "core")."""
+    def core(self, op):
+        """The pattern of the rotation (output named "core"), built from pattern.Var inputs."""
 
-    def pattern(self, op, q, cos, sin):
-        if not self.partial:
-            if not self.upcast:
-                return self.core(op, q, cos, sin)
-            core = self.core(op, op.Cast(q, _outputs=["up"]), cos, sin)
-            return op.Cast(core, _outputs=["down"])
-        x = self._slice(op, q, "rot")
-        if self.upcast:
-            x = op.Cast(x, _outputs=["up"])
-        core = self.core(op, x, cos, sin)
+    @abc.abstractmethod
+    def candidate(self, probe: Probe, bindings: dict) -> Candidate:
+        """The rotation's operands among the bindings (y = the core); NotASite when there are none."""
+
+    def pattern(self, op):
+        core = self.core(op)
         if self.upcast:
             core = op.Cast(core, _outputs=["down"])
-        return op.Concat(core, self._slice(op, q, "pass"), _outputs=["joined"])
+        if self.partial:
+            return op.Concat(core, self._slice(op, pattern.Var("q"), "pass"), _outputs=["joined"])
+        return core
 
     # -- check ------------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def check_rotation(self, x: ir.Value, rank: int, width: int, bindings: dict, known: dict) -> None:
-        """Raise SkipSite unless the matched ops really rotate pairs of ``x``'s last ``width`` channels.
+    def _root(self, bindings: dict) -> ir.Value:
+        return bindings["joined"] if self.partial else bindings["down"] if self.upcast else bindings["core"]
 
-        ``known`` gives x's established dims (its last is ``width``) for shape arithmetic on it."""
-
-    def width_from_pattern(self, rank: int, bindings: dict) -> int | None:
-        """The rotated width read from the matched ops when the head dimension is not static."""
-        return None
-
-    def _site(self, q: ir.Value, cos: ir.Value, sin: ir.Value, core: ir.Value, bindings: dict) -> Site:
-        bindings = dict(bindings, core=core)
-        dtype = dtype_of(q)
-        if dtype not in FLOAT_TYPES:
-            raise SkipSite(f"the rotated tensor has {dtype_name(dtype)} (float32/float16/bfloat16 only)")
-        rank = rank_of(q)
-        if rank != 4:
-            raise SkipSite("the rotated tensor is not known to be 4-D (run shape inference)" if rank is None
-                           else f"the rotated tensor is {rank}-D; only 4-D [B, H, S, D] / [B, S, H, D] is fused")
-        head_dim = dim(q, 3)
-        compute_dtype = dtype
-        if self.partial:
-            rot = slice_bounds(list(bindings["rot_out"].producer().inputs), rank)
-            rest = slice_bounds(list(bindings["pass_out"].producer().inputs), rank)
-            joined = bindings["joined"].producer()
-            if rot is None or rest is None or not concat_on_last(joined, rank):
-                raise SkipSite("the rotated/untouched split is not two Slices of the last axis joined on it")
-            (r0, rd, rs), (p0, p1, ps) = rot, rest
-            covers = p1 == INT64_MAX or (head_dim is not None and p1 >= head_dim)
-            if r0 != 0 or rs != 1 or ps != 1 or p0 != rd or not covers or rd <= 0 or (
-                head_dim is not None and rd > head_dim
-            ):
-                raise SkipSite(f"the split [{r0}:{rd}] + [{p0}:{p1}] does not cover the head ({head_dim} channels)")
-            x = bindings["up"] if self.upcast else bindings["rot_out"]
-        else:
-            x = bindings["up"] if self.upcast else q
-            rd = head_dim if head_dim is not None else self.width_from_pattern(rank, bindings)
-            if rd is None:
-                raise SkipSite("the rotated width is not static (neither the head dimension nor the Slices)")
-        if self.upcast:
-            up, down = bindings["up"].producer(), bindings["down"].producer()
-            if up.attributes["to"].as_int() != ir.DataType.FLOAT or down.attributes["to"].as_int() != dtype:
-                raise SkipSite("the rotated part is cast to something other than float32 and back")
-            compute_dtype = ir.DataType.FLOAT
-        if rd % 2:
-            raise SkipSite(f"odd rotated width {rd}")
-        known_dims = [dim(x, i) for i in range(rank - 1)] + [rd]
-        self.check_rotation(x, rank, rd, bindings, {x: known_dims})
-        for value in (cos, sin):
-            if dtype_of(value) != compute_dtype:
-                raise SkipSite(f"cos/sin have {dtype_name(dtype_of(value))}, the rotation {dtype_name(compute_dtype)}")
-        try:
-            tc = trace(cos, self.dup, rd)
-            ts = trace(sin, self.dup, rd)
-        except TraceError as exc:
-            raise SkipSite(str(exc)) from None
-        if (tc.kind, tc.head_axis) != (ts.kind, ts.head_axis) or (
-            tc.kind == "gather" and tc.positions is not ts.positions
-        ):
-            raise SkipSite("cos and sin come from different kinds of source")
-        layout = "bhsd" if tc.head_axis == 1 else "bshd"
-        heads = dim(q, 2) if layout == "bshd" else dim(q, 1)
-        if layout == "bshd" and heads is None:
-            raise SkipSite("[B, S, H, D] tensor with a non-static head count (the fused op needs num_heads)")
-        partial = self.partial and (head_dim is None or rd < head_dim)
-        return Site(key_of(core), q, rd, head_dim, partial, tc, ts, layout, heads, cos, sin)
-
-    def _form(self) -> str:
-        return self.form + self.variant_tag
-
-    def check(self, context, q, cos, sin, core, **bindings) -> pattern.MatchResult:
+    def check(self, context, **bindings) -> pattern.MatchResult:
         result = pattern.MatchResult()
-        form = self._form() + (" (partial)" if self.partial else "") + (" in float32" if self.upcast else "")
         try:
-            self._site(q, cos, sin, core, bindings)
+            self.site(context.model, bindings)
+        except NotASite as exc:
+            return result.fail(str(exc))
         except SkipSite as exc:
-            self.report.left_alone(key_of(core), form, str(exc), larger_form=self.partial or self.upcast)
+            form = self.spelling or "rotation"
+            form += (" (partial)" if self.partial else "") + (" in float32" if self.upcast else "")
+            self.report.left_alone(key_of(bindings["core"]), form, str(exc), larger_form=self.partial or self.upcast)
             return result.fail(str(exc))
         return result
 
+    def site(self, model: ir.Model | None, bindings: dict) -> Site:
+        """The analysed site of a match (memoized: the rewrite asks again)."""
+        root = self._root(bindings)
+        memo_key = ("site", self.name, root)
+        if memo_key not in self.memo:
+            try:
+                try:
+                    self.memo[memo_key] = self._analyse(self._probe(model), bindings, root)
+                except SkipSite as exc:
+                    if not isinstance(exc.__cause__, EvaluationFailed):
+                        raise
+                    # the sizes did not fit together: try the inputs' dims sized by axis
+                    if "probe_by_axis" not in self.memo:
+                        self.memo["probe_by_axis"] = self._probe(model).by_axis()
+                    try:
+                        self.memo[memo_key] = self._analyse(self.memo["probe_by_axis"], bindings, root)
+                    except SkipSite:
+                        raise exc from None
+            except (NotASite, SkipSite) as exc:
+                self.memo[memo_key] = exc
+        found = self.memo[memo_key]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    def _probe(self, model: ir.Model | None) -> Probe:
+        if "probe" not in self.memo:
+            self.memo["probe"] = Probe(model if model is not None else ir.Model(ir.Graph([], [], nodes=[]),
+                                                                                  ir_version=10))
+        return self.memo["probe"]
+
+    def _analyse(self, probe: Probe, bindings: dict, root: ir.Value) -> Site:
+        core = self.candidate(probe, bindings)
+        check_dtype(root)
+        if self.partial:
+            q = bindings["q"]
+            cand = replace(core, y=root, source=q, x=q)
+        elif self.upcast:
+            if core.flatten_source:
+                raise SkipSite("a float32 rotation of pairs with no value in the rotated tensor's shape")
+            chain = cast_chain(core.x)
+            x = next((v for v in chain if dtype_of(v) == dtype_of(root)), None)
+            if x is None:
+                raise SkipSite("the float32 rotation does not start from the tensor's own precision")
+            source = core.source if core.source in chain[chain.index(x):] else x
+            cand = replace(core, y=root, source=source, x=x)
+        else:
+            cand = core
+        form, cos_shape, product_shape, source_shape = classify(probe, cand, self.partial)
+        if not self.partial and form.rd != form.width:
+            raise SkipSite(f"only {form.rd} of {form.width} channels rotate without a partial split")
+        layout, heads = layout_of(cand.x, cos_shape, product_shape)
+        cos, sin, note = self._traces(probe, cand, form, layout, len(product_shape))
+        if form.sin_sign < 0 and sin.kind == "gather":
+            sin = replace(sin, table=-sin.table)
+        site = Site(key_of(bindings["core"]), root, cand.x, cand, form, layout, heads, cos, sin, len(product_shape),
+                    source_shape)
+        try:
+            verify(probe, site)
+        except SkipSite as exc:
+            raise SkipSite(f"{exc}; {note}" if note else str(exc)) from None
+        return site
+
+    @staticmethod
+    def _traces(probe: Probe, cand: Candidate, form: Form, layout: str, rank: int) -> tuple[Trace, Trace, str]:
+        """(cos trace, sin trace, why the structural trace did not apply, or "")."""
+        head_axis = 1 if layout == "bhsd" else 2
+        dup = None if cand.pairs else ("repeat" if form.interleaved else "cat")
+        note = ""
+        try:
+            tc, ts = trace(cand.cos, dup, form.rd), trace(cand.sin, dup, form.rd)
+            if tc.kind == ts.kind and tc.head_axis == ts.head_axis == head_axis and (
+                tc.kind != "gather" or tc.positions is ts.positions
+            ):
+                return tc, ts, ""
+            note = "cos and sin come from different kinds of source"
+        except TraceError as exc:
+            note = str(exc)
+        tables = table_traces(probe, cand.cos, cand.sin, rank, layout, form, cand.pairs)
+        if tables is not None:
+            return (*tables, note)
+        return (graph_trace(probe, cand.cos, cand.cos_product, layout),
+                graph_trace(probe, cand.sin, cand.cos_product, layout), note)
+
     # -- rewrite ----------------------------------------------------------------------------------
     def _caches(self, op, site: Site) -> tuple[ir.Value, ir.Value, ir.Value | None]:
-        memo_key = (site.cos_value, site.sin_value, site.rd)
+        memo_key = ("caches", site.candidate.cos, site.candidate.sin, site.form, site.cos.kind)
         found = self.memo.get(memo_key)
         if found is not None:
             return found
-        half = site.rd // 2
+        half = site.form.rd // 2
         if site.cos.kind == "gather":
             graph = site.x.graph
             cos, pos = gather_inputs(op, site.cos, site.x, _fresh_name(graph, f"{site.key}_cos_cache"))
             sin, _ = gather_inputs(op, site.sin, site.x, _fresh_name(graph, f"{site.key}_sin_cache"))
             found = (cos, sin, pos)
         else:
-            found = (per_token_value(op, site.cos, site.x, half), per_token_value(op, site.sin, site.x, half), None)
+            def build(tr):
+                if tr.kind == "graph":
+                    return graph_per_token_value(op, tr, site.form, site.candidate.pairs)
+                return per_token_value(op, tr, site.x, half)
+
+            cos, sin = build(site.cos), build(site.sin)
+            found = (cos, op.Neg(sin) if site.form.sin_sign < 0 else sin, None)
         self.memo[memo_key] = found
         return found
 
-    def rewrite(self, op, q, cos, sin, core, **bindings):
-        site = self._site(q, cos, sin, core, bindings)
-        cos_v, sin_v, pos = self._caches(op, site)
-        interleaved = int(self.form == "interleaved")
-        rd_attr = site.rd if site.partial else 0
+    def rewrite(self, op, **bindings):
+        site = self.site(None, bindings)
+        cos, sin, pos = self._caches(op, site)
+        x = site.x
+        if site.candidate.flatten_source:  # [..., d/2, 2] -> [..., d]
+            source = site.candidate.source
+            rank = source.shape.rank()
+            shape = op.Shape(source)
+            head = op.Slice(shape, op.Constant(value=ir.tensor(np.array([0], dtype=np.int64))),
+                            op.Constant(value=ir.tensor(np.array([rank - 2], dtype=np.int64))))
+            x = op.Reshape(source, op.Concat(head, op.Constant(value=ir.tensor(np.array([-1], dtype=np.int64))),
+                                             axis=0))
+        if dtype_of(x) != dtype_of(site.y):
+            x = op.Cast(x, to=dtype_of(site.y))
+        cos, sin = (_cache_dtype(op, c, dtype_of(site.y)) for c in (cos, sin))
+        rd_attr = site.form.rd if site.partial else 0
         name = f"{site.key}/{OP_TYPE}"
-        inputs = [cos_v, sin_v] + ([pos] if pos is not None else [])
+        inputs = [cos, sin] + ([pos] if pos is not None else [])
+        def rotary(x, num_heads):
+            return op.op(OP_TYPE, x, *inputs, _domain=DOMAIN, _version=OP_VERSION, _name=name,
+                         interleaved=int(site.form.interleaved), num_heads=num_heads, rotary_embedding_dim=rd_attr)
+
         if site.layout == "bhsd":
-            out = op.op(OP_TYPE, q, *inputs, _domain=DOMAIN, _version=OP_VERSION, _name=name,
-                        interleaved=interleaved, num_heads=0, rotary_embedding_dim=rd_attr)
+            out = rotary(x, 0)
         else:
-            flat = op.Reshape(q, op.Constant(value=ir.tensor(np.array([0, 0, -1], dtype=np.int64))))
-            y = op.op(OP_TYPE, flat, *inputs, _domain=DOMAIN, _version=OP_VERSION, _name=name,
-                      interleaved=interleaved, num_heads=site.heads, rotary_embedding_dim=rd_attr)
-            shape = np.array([0, 0, site.heads, -1], dtype=np.int64)
-            out = op.Reshape(y, op.Constant(value=ir.tensor(shape)))
-        form = self._form() + (f" (partial, {site.rd} of {site.head_dim or '?'})" if site.partial else "")
-        if self.upcast:
-            form += ", float32 math"
-        source = site.cos.source + (" -> [max_pos, rd/2] table + position_ids" if pos is not None
-                                    else " -> per-token [B, S, rd/2]")
-        self.report.fused(site.key, form, f"{site.layout}, cos/sin {source}")
+            flat = op.Reshape(x, op.Constant(value=ir.tensor(np.array([0, 0, -1], dtype=np.int64))))
+            y = rotary(flat, site.heads)
+            out = op.Reshape(y, op.Constant(value=ir.tensor(np.array([0, 0, site.heads, -1], dtype=np.int64))))
+        self.report.fused(site.key, self._form_text(site), self._detail(site, pos is not None))
         return out
 
+    def _form_text(self, site: Site) -> str:
+        form = ("interleaved" if site.form.interleaved else "rotate-half") + (f" {self.spelling}" if self.spelling
+                                                                              else "")
+        if site.partial:
+            form += f" (partial, {site.form.rd} of {dim(site.x, -1) or '?'})"
+        if self.upcast:
+            form += ", float32 math"
+        if site.form.sin_sign < 0:
+            form += ", sin sign flipped"
+        return form
 
-STAGES = 3
+    @staticmethod
+    def _detail(site: Site, with_positions: bool) -> str:
+        source = site.cos.source + (" -> [max_pos, rd/2] table + position_ids" if with_positions
+                                    else " -> per-token [B, S, rd/2]")
+        return f"{site.layout}, cos/sin {source}; verified numerically"
 
 
-def rule_variants(cls, report: FusionReport, memo: dict) -> list[tuple[int, pattern.RewriteRule]]:
+def _cache_dtype(op, cache: ir.Value, x_dtype) -> ir.Value:
+    """The contract takes caches of X's type or float32."""
+    dtype = dtype_of(cache)
+    if dtype is None or dtype in (x_dtype, ir.DataType.FLOAT):
+        return cache
+    return op.Cast(cache, to=ir.DataType.FLOAT)
+
+
+STAGES = 6  # (partial, float32 math, plain) x (joins ending in a Reshape, the others)
+
+
+def rule_variants(cls, report: FusionReport, memo: dict, substage: int = 0,
+                  **kwargs) -> list[tuple[int, pattern.RewriteRule]]:
     """All variants of a fusion rule class with their stage: a stage runs after the stages whose
-    patterns contain its pattern (the rewriter visits nodes in order and would otherwise fuse the
-    inner core, which comes first, before seeing the larger form)."""
+    patterns contain its pattern (the rewriter visits nodes in order and would otherwise try the
+    inner core, which comes first, before seeing the larger form). ``substage`` 0 is for patterns
+    that end in a Reshape around a Concat another rule's pattern ends in."""
     return [
-        (0, cls(report, memo, partial=True, upcast=True).as_rule()),
-        (0, cls(report, memo, partial=True).as_rule()),
-        (1, cls(report, memo, upcast=True).as_rule()),
-        (2, cls(report, memo).as_rule()),
+        (substage, cls(report, memo, partial=True, upcast=True, **kwargs).as_rule()),
+        (substage, cls(report, memo, partial=True, **kwargs).as_rule()),
+        (2 + substage, cls(report, memo, upcast=True, **kwargs).as_rule()),
+        (4 + substage, cls(report, memo, **kwargs).as_rule()),
     ]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
-from rope_export.passes._fusing import FusionReport
+from rope_export.passes._fusing import STAGES, FusionReport
 from rope_export.passes._lowering import SiteError, read_site
 
 KNOWN_ATTRIBUTES = {"interleaved", "num_heads", "rotary_embedding_dim"}
@@ -55,4 +55,4 @@ class AdoptStandardRotary(pattern.RewriteRuleClassBase):
 
 def rules(report, memo) -> list[tuple[int, pattern.RewriteRule]]:
     del memo
-    return [(2, AdoptStandardRotary(report).as_rule())]
+    return [(STAGES - 1, AdoptStandardRotary(report).as_rule())]

@@ -1,10 +1,21 @@
 """``fuse(model)``: decomposed RoPE in other exporters' ONNX files -> rope_export::RotaryEmbedding.
 
-Three passes of onnxscript rewrite rules (each with ``commute=True``, so the operand order of
-Add/Mul does not matter): first the partial forms (rotated head + untouched tail + Concat), then
-the forms computed in float32 under a half-precision tensor (Cast up, rotate, Cast down), then the
-plain forms. Then dead nodes are removed and shapes re-inferred. Nothing else in the file changes: graph
-inputs, outputs and the names of the rotated tensors stay as they were.
+Two rules find every spelling of a rotation: ``fuse_rotation`` (full width, ``x * cos ± r * sin``
+with ``r`` x's channels moved) and ``fuse_pairs`` (pair by pair, joined back). Their patterns only
+find the arithmetic (operand order is handled by the rules, so no commuted copies are needed); what
+the site computes is decided by running its ops on probes, and every site is verified numerically
+against the op contract before it is rewritten (``_site``, ``_verify``), so a look-alike is left
+alone with the reason. Passes run larger forms first: the partial forms (rotated head + untouched
+tail + Concat), then the forms computed in float32 under a half-precision tensor (Cast up, rotate,
+Cast down), then the plain forms; dead nodes are removed between passes. Nothing else in the file
+changes: graph inputs, outputs and the names of the rotated tensors stay as they were.
+
+Detection runs on the ONNX graph rather than on torch.export's ATen graph because one mechanism
+then serves every producer: ``rope-export fuse`` on anyone's file (TorchScript or dynamo exports,
+other tools) and ``rope_export.export_module`` on its own plain export; it sees what torch.onnx
+really emitted (complex products already turned into real pairs, its own rotary fusion at opset
+23); and a site can be run on its own (``_probe``) without the model's weights, which at real
+sizes are never loaded.
 
 With ``adopt_standard=True``, ai.onnx RotaryEmbedding-23 nodes (torch.onnx's dynamo exporter makes
 them at opset >= 23) are adopted too: renamed to rope_export::RotaryEmbedding, same inputs and
@@ -21,18 +32,13 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
-from rope_export.passes import (
-    fuse_interleaved,
-    fuse_pairs_interleaved,
-    fuse_pairs_rotate_half,
-    fuse_rotate_half,
-    fuse_standard_op,
-)
+from rope_export.passes import fuse_pairs, fuse_rotation, fuse_standard_op
 from rope_export.passes._fusing import STAGES, FusionReport
 from rope_export.passes._model import PassError, from_ir, infer_shapes, onnx_opset, remove_unused, to_ir
+from rope_export.passes._probe import Probe
 
 MIN_OPSET = 13
-RULE_MODULES = (fuse_rotate_half, fuse_interleaved, fuse_pairs_rotate_half, fuse_pairs_interleaved, fuse_standard_op)
+RULE_MODULES = (fuse_pairs, fuse_rotation, fuse_standard_op)
 
 
 def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = False):
@@ -61,11 +67,17 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
                             "kept as is" + hint)
     infer_shapes(ir_model)
     fused = 0
+    # one memo (site analyses, caches) and one set of probe sizes for every stage; the rules are
+    # built once (building onnxscript patterns is not free)
+    memo: dict = {"probe": Probe(ir_model)}
+    staged = [(st, rule) for module in RULE_MODULES for st, rule in module.rules(report, memo)
+              if adopt_standard or module is not fuse_standard_op]
     for stage in range(STAGES):
-        memo: dict = {}
-        rules = [rule for module in RULE_MODULES for st, rule in module.rules(report, memo)
-                 if st == stage and (adopt_standard or module is not fuse_standard_op)]
-        fused += pattern.RewriteRuleSet(rules, commute=True).apply_to_model(ir_model)
+        rules = [rule for st, rule in staged if st == stage]
+        count = pattern.RewriteRuleSet(rules).apply_to_model(ir_model)
+        if count:
+            remove_unused(ir_model)  # a fused site's old nodes must not match a later, smaller pattern
+        fused += count
     if fused:
         ir_model.opset_imports.setdefault(DOMAIN, OP_VERSION)
         remove_unused(ir_model)

@@ -122,6 +122,11 @@ def exported_causal_lm(family: str = "llama") -> onnx.ModelProto:
     """A whole one-layer model (embeddings, mask, MLP, head) through the dynamo exporter.
 
     The TorchScript exporter cannot export transformers 5's mask code (aten::diff)."""
+    return export_causal_lm(config(family))
+
+
+def export_causal_lm(model_config, opset: int = 18) -> onnx.ModelProto:
+    """A whole model from ``model_config`` (random weights) through the dynamo exporter, logits out."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -135,12 +140,12 @@ def exported_causal_lm(family: str = "llama") -> onnx.ModelProto:
             return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     with _quiet():
-        model = AutoModelForCausalLM.from_config(config(family), attn_implementation="eager").eval()
+        model = AutoModelForCausalLM.from_config(model_config, attn_implementation="eager").eval()
         ids = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(0))
         positions = torch.arange(4).expand(2, -1).contiguous()
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
         with torch.no_grad():
-            program = torch.onnx.export(LM(model), (ids, positions), dynamo=True, verbose=False,
+            program = torch.onnx.export(LM(model), (ids, positions), dynamo=True, verbose=False, opset_version=opset,
                                         input_names=["input_ids", "position_ids"], output_names=["logits"],
                                         dynamic_shapes=({0: batch, 1: seq},) * 2)
     return program.model_proto

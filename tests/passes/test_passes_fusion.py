@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import hf_models
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -143,3 +144,26 @@ def test_half_precision_llama():
     got = run_ort(lower(fused, "onnx"), feeds)[0]
     assert got.dtype == np.float16
     assert tolerance("block", "float16").allclose(as_f32(got), as_f32(want))
+
+
+def test_per_layer_type_rope_parameters():
+    """Gemma 3: sliding layers rotate with theta 10k, full layers with 1M (two rotary embeddings).
+    Each layer's sites get their own caches, and the whole model matches the plain file."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           max_position_embeddings=64, layer_types=["sliding_attention",
+                                                                                    "full_attention"],
+                                           sliding_window=16, pad_token_id=0)
+    original = hf_models.export_causal_lm(config)
+    report = FusionReport()
+    fused = fuse(original, report=report)
+    nodes = _custom_nodes(fused)
+    assert len(nodes) == 4 and report.num_fused == 4, report.as_text()
+    caches = {node.input[1] for node in nodes}
+    assert len(caches) == 2  # one cos cache per layer type, shared by q and k
+    ids = np.array([[1, 5, 9, 3, 0, 2], [7, 7, 1, 2, 3, 4]], dtype=np.int64)
+    feeds = {"input_ids": ids, "position_ids": np.stack([np.arange(6), np.arange(6) + 5]).astype(np.int64)}
+    want = run_ort(original, feeds)[0]
+    assert tolerance("block", "float32").allclose(run_ort(lower(fused, "onnx"), feeds)[0], want)

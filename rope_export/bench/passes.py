@@ -1,6 +1,6 @@
 """Micro-benchmark: a fused-and-lowered RoPE against the decomposed RoPE it replaced.
 
-    python -m rope_export.bench_passes [--reps N] [--threads 2]
+    python -m rope_export.bench.passes [--reps N] [--threads 2]
 
 The decomposed form is transformers' ``x * cos + rotate_half(x) * sin`` on one [B, H, S, D]
 tensor, exported with torch.onnx (TorchScript), with cos/sin either computed from positions and

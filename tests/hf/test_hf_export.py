@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 
 import numpy as np
 import onnx
@@ -203,11 +204,11 @@ def test_metadata_rope_parameters_rebuild_transformers_cos_sin(family):
     elif family == "llama4":  # complex freqs_cis [B, S, D/2]
         assert rope.interleaved
         with torch.no_grad():
-            freqs_cis = hf._rotary_module(model)(torch.zeros(1, dtype=torch.float32), pos)
+            freqs_cis = hf.rotary_module(model)(torch.zeros(1, dtype=torch.float32), pos)
         cos, sin = freqs_cis.real, freqs_cis.imag
     else:
         assert not rope.interleaved
-        rotary = hf._rotary_module(model)
+        rotary = hf.rotary_module(model)
         with torch.no_grad():
             cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
         assert cos.shape[-1] == 2 * half  # transformers' cat(freqs, freqs)
@@ -241,7 +242,7 @@ def test_attention_layer_export_matches_the_layer_inside_transformers(family):
     assert result.kind == "hf-attention" and result.custom_nodes == 2
     assert [i.name for i in result.model.graph.input] == list(export_module.INPUT_NAMES)
     assert hf.read_hf_metadata(result.model)["layer"] == 1
-    attention = hf._attention_layers(model)[1]
+    attention = hf.attention_layers(model)[1]
     seen = {}
 
     def grab_input(module, args, kwargs):
@@ -293,18 +294,18 @@ def _logits(model, family="llama"):
 
 @pytest.mark.parametrize("family", ["llama", "gptj", "phi3"])
 def test_hook_routes_through_the_op_and_restores_the_function(family):
-    import importlib
+    import sys
 
     model = tiny_model(family)
-    module = importlib.import_module(hf.HF_FAMILIES[family].module)
+    module = sys.modules[type(model).__module__]  # the family's modeling file
     original = module.apply_rotary_pos_emb
     before = _logits(model, family)
     with hf.rotary_hooked(model) as state:
         assert module.apply_rotary_pos_emb is not original
-        assert state.probe_error is not None and state.probe_error < 1e-5
+        assert state.target == f"{module.__name__}.apply_rotary_pos_emb"
+        assert state.probe_error < 1e-5
         hooked = _logits(model, family)
-        per_call = hf.FORMS[hf.HF_FAMILIES[family].form].tensors_per_call
-        assert state.calls * per_call == 2 * LAYERS  # q and k of every layer went through the op
+        assert state.rotations == 2 * LAYERS  # q and k of every layer went through the op
     assert module.apply_rotary_pos_emb is original
     assert TOL.allclose(hooked, before)
     assert torch.equal(_logits(model, family), before)
@@ -347,25 +348,53 @@ def _olmo():
     return hf.build_hf_model(transformers.OlmoConfig(**ONE_LAYER, num_key_value_heads=2), seed=0)
 
 
-def test_unknown_family_is_a_clear_error_or_a_plain_or_fused_export():
+def test_a_type_rope_export_has_no_entry_for_exports_by_default_through_its_own_function():
+    import transformers.models.olmo.modeling_olmo as olmo_module
+
     model = _olmo()
-    with pytest.raises(hf.HFExportError, match=r"model_type 'olmo' is not a family.*family='llama'.*fallback"):
-        hf.export_hf(model)
-    plain = hf.export_hf(model, fallback="plain")
-    assert plain.family is None and plain.custom_nodes == 0 and "plain export" in plain.hook
-    props = {p.key: p.value for p in plain.model.metadata_props}
-    assert "plain export" in props["rope_export.rotary_hook"]
+    assert model.config.model_type not in hf.MODEL_TYPES
+    result = hf.export_hf(model)
+    assert result.custom_nodes == result.rotations == 2 and result.notes == []
+    assert result.hook.startswith("transformers.models.olmo.modeling_olmo.apply_rotary_pos_emb -> ")
+    assert olmo_module.apply_rotary_pos_emb.__module__ == olmo_module.__name__  # restored
+    props = {p.key: p.value for p in result.model.metadata_props}
+    assert props["rope_export.rotations_eager"] == props["rope_export.rotary_nodes"] == "2"
     assert json.loads(props["rope_export.rope"])["head_dim"] == 8  # rope_parameters read the common way
+    check_against_transformers(model, result.model)
+
+
+def test_overrides_plain_and_fuse_say_what_they_did():
+    model = _olmo()
+    with pytest.warns(UserWarning, match="2 of 2 rotation"):
+        plain = hf.export_hf(model, fallback="plain", opset=18)  # opset 18: torch.onnx writes no RotaryEmbedding
+    assert plain.custom_nodes == 0 and "plain export" in plain.hook
+    assert any("stayed decomposed" in note for note in plain.notes)
     check_against_transformers(model, plain.model)
-    notes: list[str] = []
-    fused = hf._fuse(plain.model, notes)  # what fallback="fuse" does after the plain export
-    # torch.onnx's optimizer (opset 23) already made ai.onnx RotaryEmbedding of olmo's rotate-half;
-    # fuse renames those, so the file ends with q and k per layer as rope_export nodes.
-    assert export_module.count_rotary_nodes(fused) == 2, notes
-    assert any("renamed to rope_export::RotaryEmbedding" in n for n in notes)
-    assert not hf._standard_rotary_nodes(fused)
-    onnx.checker.check_model(fused, full_check=True)
-    check_against_transformers(model, fused)
+    standard = hf.export_hf(model, fallback="plain")  # opset 23: torch.onnx's own ai.onnx nodes, counted as such
+    assert standard.custom_nodes == 0 and len(hf_exporting_standard_nodes(standard.model)) == 2
+    assert standard.notes == []
+    fused = hf.export_hf(model, fallback="fuse")  # no hook: the traced graph is fused
+    assert fused.custom_nodes == 2 and fused.hook.startswith("none (no rotary function verified)")
+    assert any("rope_export.passes.fuse made 2 rotary node(s)" in note for note in fused.notes)
+    assert not hf_exporting_standard_nodes(fused.model)
+    onnx.checker.check_model(fused.model, full_check=True)
+    check_against_transformers(model, fused.model)
+
+
+def hf_exporting_standard_nodes(model):
+    return [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain in ("", "ai.onnx")]
+
+
+def test_a_rotation_left_decomposed_is_an_error_naming_its_layer():
+    from rope_export.detect import DecomposedRotationError
+    from rope_export.hf.counting import count_and_compare, eager_rotations
+
+    model = _olmo()
+    plain = hf.export_hf(model, fallback="plain", allow_decomposed=True, opset=18).model
+    layout = hf.cache_layout(model)
+    census = eager_rotations(hf.CausalLMWithCache(model, layout), hf.hf_example_inputs(model, layout=layout))
+    with pytest.raises(DecomposedRotationError, match=r"2 of 2 rotation\(s\) stayed decomposed(.|\n)*layers\.0"):
+        count_and_compare(census, plain, allow_decomposed=False, notes=[])
 
 
 def test_forced_family_hooks_the_models_own_module_after_checking_it():
@@ -429,6 +458,7 @@ def test_cli_exports_a_local_config_with_local_weights(tmp_path, capsys):
     assert hf.wants_hf_export(args) and hf.run_hf_export(args) == 0
     printed = capsys.readouterr().out
     assert "rope_export::RotaryEmbedding nodes" in printed and "qwen2" in printed
+    assert re.search(r"rotations in eager transformers\s*│\s*2\b", printed)  # both counts in the summary
     onnx_model = onnx.load_model(out)
     assert export_module.count_rotary_nodes(onnx_model) == 2
     meta = hf.read_hf_metadata(onnx_model)

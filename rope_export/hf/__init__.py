@@ -1,0 +1,78 @@
+"""Export Hugging Face transformers models through the rotary op: one rotary node per rotation.
+
+Any RoPE causal LM of transformers exports by default: the rotary function(s) its attention calls
+are found by reading the code the model runs and verified numerically against the op contract's
+forms (``rope_export.detect``), then routed through ``torch.ops.rope_export.rotary_embedding``
+during the export and restored afterwards; when none verifies, the plain export is fused. Every
+export compares the rotations transformers performs in one eager forward with the rotary nodes of
+the file. The modules:
+
+* ``families``: what detection cannot see about some model types (Auto class, position rank, how
+  to read the RoPE parameters, the form ``--hf-family`` insists on);
+* ``loading``: building a model offline from a local config and weights;
+* ``hooking``: the rotary hook on the model's own functions, and the guard that keeps the model
+  unchanged;
+* ``cache_io``: per-layer cache geometry, the wrappers with flat past/present tensors;
+* ``counting``: the eager rotation count against the file;
+* ``metadata``: the ``rope_export.*`` metadata, and reading it back;
+* ``exporting``: ``export_hf``;
+* ``cli``: the ``--hf`` options of ``rope-export export``.
+
+transformers is imported lazily: the package imports without it.
+"""
+
+from rope_export.detect.forms import FORMS, rotate_half_qk
+from rope_export.hf.cache_io import (
+    AttentionWithCache,
+    CacheLayout,
+    CausalLMWithCache,
+    LayerIO,
+    attention_layers,
+    cache_layout,
+    hf_example_inputs,
+    hf_io_names,
+    make_cache,
+    rotary_module,
+)
+from rope_export.hf.cli import register_hf_arguments, run_hf_export, wants_hf_export
+from rope_export.hf.errors import HFExportError
+from rope_export.hf.exporting import FALLBACKS, HFExportResult, export_hf
+from rope_export.hf.families import HF_FAMILIES, MODEL_TYPES, HFFamily, family_of, rope_config_from_hf, text_config
+from rope_export.hf.hooking import HookState, model_state_kept, rotary_hooked
+from rope_export.hf.loading import build_hf_model, load_hf_config
+from rope_export.hf.metadata import hf_metadata, read_hf_metadata
+
+__all__ = [
+    "FALLBACKS",
+    "FORMS",
+    "HF_FAMILIES",
+    "MODEL_TYPES",
+    "AttentionWithCache",
+    "CacheLayout",
+    "CausalLMWithCache",
+    "HFExportError",
+    "HFExportResult",
+    "HFFamily",
+    "HookState",
+    "LayerIO",
+    "attention_layers",
+    "build_hf_model",
+    "cache_layout",
+    "export_hf",
+    "family_of",
+    "hf_example_inputs",
+    "hf_io_names",
+    "hf_metadata",
+    "load_hf_config",
+    "make_cache",
+    "model_state_kept",
+    "read_hf_metadata",
+    "register_hf_arguments",
+    "rope_config_from_hf",
+    "rotary_hooked",
+    "rotary_module",
+    "rotate_half_qk",
+    "run_hf_export",
+    "text_config",
+    "wants_hf_export",
+]

@@ -1,0 +1,102 @@
+"""``rope-export export --hf CONFIG``: the transformers options of the ``export`` command.
+
+``register(subparsers)`` adds them to the ``export`` parser that ``rope_export.export`` made and
+routes a call with any of them here, so ``rope_export.export`` never imports this package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rope_export import contract
+from rope_export.hf.errors import HFExportError
+from rope_export.hf.exporting import FALLBACKS, export_hf
+from rope_export.hf.families import HF_FAMILIES
+from rope_export.hf.loading import build_hf_model
+
+
+def register_hf_arguments(parser) -> None:
+    """Add ``--hf CONFIG_DIR_OR_JSON``, ``--weights DIR``, ``--layer N``, ``--hf-family``, ``--hf-fallback``."""
+    group = parser.add_argument_group("Hugging Face transformers models (instead of --preset)")
+    group.add_argument("--hf", metavar="CONFIG_DIR_OR_JSON", default=None,
+                       help="export a transformers causal LM built from this local config (folder or .json); any "
+                            "RoPE model type: its rotary function is found by code and verified. The file always "
+                            "has a KV cache (prefill: past 0)")
+    group.add_argument("--weights", metavar="DIR", default=None,
+                       help="local folder with the model's weights (default: random weights, --seed); no hub access")
+    group.add_argument("--layer", type=int, default=None,
+                       help="export only this attention layer (hidden_states, position_ids, past_key, past_value)")
+    group.add_argument("--hf-family", choices=sorted(HF_FAMILIES), default=None,
+                       help="override: accept only this family's rotary form (still checked numerically)")
+    group.add_argument("--hf-fallback", choices=FALLBACKS, default="auto",
+                       help="override for a model whose rotary function does not verify: plain export then fuse "
+                            "(auto, the default), refuse (error), keep RoPE decomposed (plain), or skip the hook "
+                            "and fuse even when a function verifies (fuse)")
+
+
+def register(subparsers) -> None:
+    """Give the ``export`` command its --hf options and route calls that use them to ``run_hf_export``."""
+    parser = subparsers.choices["export"]
+    register_hf_arguments(parser)
+    preset_run = parser.get_default("func")
+
+    def run(args) -> int:
+        return run_hf_export(args) if wants_hf_export(args) else preset_run(args)
+
+    parser.set_defaults(func=run)
+
+
+def wants_hf_export(args) -> bool:
+    """Whether ``export`` was called with any of the --hf options (then ``run_hf_export`` handles it)."""
+    return any(getattr(args, name, None) is not None for name in ("hf", "weights", "layer", "hf_family"))
+
+
+def run_hf_export(args) -> int:
+    """The ``export --hf`` command: build offline, export, print a summary table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rope_export.export import _check_writable, output_files, summarize
+    from rope_export.steps import cli_steps
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
+    if args.hf is None:
+        raise HFExportError("--weights, --layer and --hf-family need --hf CONFIG_DIR_OR_JSON")
+    for option, default in (("cache_len", None), ("compare_decomposed", False), ("module", None)):
+        if getattr(args, option, default) not in (None, False):
+            raise HFExportError(
+                f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
+                "the graph and the model is exported as it is"
+            )
+    _check_writable(Path(args.output))  # before the minutes of building and tracing
+    console = Console()
+    with cli_steps(console, f"rope-export export --hf: {args.output}", args.summary_json) as progress:
+        progress(f"building the model from {args.hf}" + (f" with weights from {args.weights}" if args.weights else
+                                                          f" (random weights, seed {args.seed})"))
+        model = build_hf_model(args.hf, args.weights, dtype=args.dtype, seed=args.seed, progress=progress)
+        result = export_hf(model, args.output, layer=args.layer, family=args.hf_family, fallback=args.hf_fallback,
+                           allow_decomposed=getattr(args, "allow_decomposed", False), opset=args.opset,
+                           external=args.external_data, weights=args.weights, seed=args.seed, progress=progress,
+                           verbose=args.verbose)
+        progress.add_files(output_files(args.output))
+    summary = summarize(result.model)
+    table = Table(title=f"{result.path} ({type(model).__name__}, {args.dtype})")
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("model type", f"{model.config.model_type} ({result.family.notes or 'detected by code'})")
+    table.add_row("rotary hook", result.hook)
+    table.add_row("rotations in eager transformers", str(result.rotations))
+    table.add_row(f"{contract.DOMAIN}::{contract.OP_TYPE} nodes", str(summary["custom_nodes"]))
+    table.add_row("nodes", str(summary["nodes"]))
+    for name, dims in list(summary["inputs"].items())[:4]:
+        table.add_row(f"input {name}", str(dims))
+    if len(summary["inputs"]) > 4:
+        table.add_row("inputs", f"{len(summary['inputs'])} in all")
+    table.add_row("opsets", str(summary["opsets"]))
+    for note in result.notes:
+        table.add_row("note", note)
+    console.print(table)
+    return 0

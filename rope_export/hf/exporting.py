@@ -1,0 +1,321 @@
+"""``export_hf``: a transformers causal LM (or one attention layer) to ONNX, every rotation one rotary node.
+
+The steps, each its own function below:
+
+1. read the cache geometry and make the tracing inputs (one tiny eager forward);
+2. count the rotations transformers performs in one eager forward of the same wrapper
+   (``rope_export.detect.count_rotations``: by data flow, independent of the hook);
+3. find the rotary function(s) the model's code calls and verify them (``rope_export.detect``);
+4. export with those functions routed through the rotary op; if none verified, export plain and
+   fuse the traced graph (``rope_export.passes.fuse``), automatically;
+5. compare the count with the file's rotary nodes: a rotation left decomposed is an error naming
+   its layers (``allow_decomposed``: a warning and a note);
+6. metadata, onnx.checker, an atomic write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+
+from rope_export import __version__
+from rope_export.detect import rotary_nodes
+from rope_export.detect.functions import recorded_calls
+from rope_export.export import (
+    DTYPES,
+    INPUT_NAMES,
+    METADATA_PREFIX,
+    OUTPUT_NAMES,
+    _check_opset,
+    _check_writable,
+    _quiet_exporter,
+    count_rotary_nodes,
+    custom_translation_table,
+    finish_export,
+    graph_proto,
+    rename_dynamic_dims,
+)
+from rope_export.hf.cache_io import (
+    AttentionWithCache,
+    CacheLayout,
+    CausalLMWithCache,
+    cache_layout,
+    check_sliding_layers,
+    hf_example_inputs,
+    hf_io_names,
+)
+from rope_export.hf.counting import count_and_compare, eager_rotations
+from rope_export.hf.errors import HFExportError
+from rope_export.hf.families import HFFamily, family_of, text_config
+from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
+from rope_export.hf.metadata import hf_metadata
+
+# --hf-fallback: what happens when no rotary function verifies. "auto" (default): plain export, then
+# fuse. "error": refuse. "plain": no hook and no fusion (RoPE stays decomposed, said as a warning).
+# "fuse": skip the hook even if a function verifies (plain export, then fuse).
+FALLBACKS = ("auto", "error", "plain", "fuse")
+
+
+@dataclass(frozen=True)
+class HFExportResult:
+    model: onnx.ModelProto
+    path: Path | None
+    family: HFFamily
+    hook: str  # what was hooked, or how the rotations were fused
+    num_layers: int  # cache layers with keys and values in the file
+    kind: str  # "hf-causal-lm" or "hf-attention"
+    notes: list[str] = field(default_factory=list)
+    rotations: int = 0  # rotations transformers performs in one eager forward
+    layout: CacheLayout | None = None
+
+    @property
+    def custom_nodes(self) -> int:
+        return count_rotary_nodes(self.model)
+
+
+def _dims(states: bool = False):
+    """batch, seq, past. With recurrent states, seq is left to torch: their layers branch on seq == 1
+    (a one-token update), and the traced multi-token path also computes one token right (the zoo
+    checks a decode step), so torch may assume seq >= 2 while tracing it."""
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim.DYNAMIC if states else torch.export.Dim("seq", min=1, max=2**20)
+    past = torch.export.Dim("past", min=0, max=2**20)
+    return batch, seq, past
+
+
+_UNSUPPORTED_OP = re.compile(r"(?:torch\.ops\.)?[A-Za-z_][\w]*\.[A-Za-z_]\w*\.(?:default|Tensor|\w+)\b")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    chain = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+_NO_FUNCTION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>")
+_STATIC_SEQ = re.compile(r"inferred a static shape of (\d+) for dimension inputs\['input_ids'\]\.shape\[1\]")
+_DATA_DEPENDENT = "GuardOnDataDependentSymNode"
+
+
+def _state_layers(model, layout: CacheLayout) -> str:
+    types = getattr(text_config(model.config), "layer_types", None) or []
+    named = [f"{io.index} ({types[io.index]!r})" if io.index < len(types) else str(io.index)
+             for io in layout.layers if io.has_states]
+    return ", ".join(named)
+
+
+def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError:
+    """One line naming the model and the innermost cause; an operator torch.onnx cannot translate is named."""
+    chain = _chain(exc)
+    text = _ANSI.sub("", "\n".join(str(e) for e in chain))
+    missing = sorted({f"torch.ops.{m.group(1)}.{m.group(2)}" for m in _NO_FUNCTION.finditer(text)})
+    if missing:
+        return HFExportError(f"exporting {type(model).__name__} failed: torch.onnx cannot translate "
+                             f"{', '.join(missing)} (no ONNX function is registered for it)")
+    static = _STATIC_SEQ.search(text)
+    if static:
+        where = f" in its recurrent layers {_state_layers(model, layout)}" if layout.has_states else ""
+        return HFExportError(
+            f"exporting {type(model).__name__} failed: its code fixes the sequence length to the example's "
+            f"{static.group(1)} while tracing (a Python loop or branch over the tokens{where}), so no file could "
+            "serve other lengths")
+    if _DATA_DEPENDENT in text:
+        return HFExportError(
+            f"exporting {type(model).__name__} failed: its code branches on tensor values (e.g. a mixture-of-experts "
+            "loop over the experts a batch hits), which torch.export cannot trace")
+    for line in text.splitlines():
+        if "Unsupported FX nodes" in line or "no translation" in line.lower() or "not supported" in line.lower():
+            ops = sorted({m.group(0) for m in _UNSUPPORTED_OP.finditer(line)} - {"torch.onnx.export"})
+            if ops:
+                return HFExportError(f"exporting {type(model).__name__} failed: torch.onnx cannot translate "
+                                     f"{', '.join(ops)}")
+    innermost = chain[-1]
+    lines = [line.strip() for line in _ANSI.sub("", str(innermost)).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    return HFExportError(f"exporting {type(model).__name__} failed: {type(innermost).__name__}: {first[:300]}")
+
+
+def _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose, progress=None):
+    """torch.onnx's ONNXProgram: its onnx_ir model refers to the torch tensors without copying them."""
+    with torch.no_grad(), _quiet_exporter(verbose, progress):
+        return torch.onnx.export(
+            module, tuple(inputs), dynamo=True, opset_version=opset, input_names=input_names,
+            output_names=output_names, dynamic_shapes=dynamic_shapes,
+            custom_translation_table=custom_translation_table(), verbose=True if verbose else None,
+        )
+
+
+def _check_dynamic(model: onnx.ModelProto, position_rank: int) -> None:
+    """torch.export silently fixes a dim whose example size is 1; refuse such a file."""
+    dims = model.graph.input[1].type.tensor_type.shape.dim
+    offset = 1 if position_rank == 3 else 0
+    for axis, name in ((offset, "batch"), (offset + 1, "seq")):
+        if not dims[axis].dim_param:
+            raise HFExportError(
+                f"the exported file has a fixed {name} of {dims[axis].dim_value}: torch.export specialised it to the "
+                f"example; export with an example whose {name} is at least 2 (example=(batch, seq, past))"
+            )
+
+
+def _name_dims(model: onnx.ModelProto, position_rank: int, layout: CacheLayout) -> None:
+    """batch/seq/past names for the I/O's symbolic dims (past+seq on the presents)."""
+    first_kv = next((n for n, axis in enumerate(layout.past_axes()) if axis == 2), None)
+    rename_dynamic_dims(model, batch_seq=(1, 1 if position_rank == 3 else 0),
+                        past=None if first_kv is None else 2 + first_kv)
+    ids_seq = model.graph.input[0].type.tensor_type.shape.dim[1]
+    if ids_seq.dim_param and ids_seq.dim_param != "seq":  # torch left input_ids' seq a symbol of its own
+        old = ids_seq.dim_param
+        for value in [*model.graph.input, *model.graph.output]:
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param == old:
+                    dim.dim_param = "seq"
+
+
+def _fuse(program, notes: list[str], hooked: bool = False) -> None:
+    """rope_export.passes.fuse on the traced program's onnx_ir model, in place: the sites are verified
+    on the real constants (the torch tensors, not copied); torch.onnx's ai.onnx RotaryEmbedding nodes adopted."""
+    from rope_export.passes import FusionReport, fuse
+
+    def ours() -> int:
+        return sum(node.kind == "rope_export" for node in rotary_nodes(program.model))
+
+    before = ours()
+    fuse(program.model, report=FusionReport(), adopt_standard=True)
+    made = ours() - before
+    notes.append(f"rotations the hooked functions did not reach: rope_export.passes.fuse made {made} rotary node(s)"
+                 if hooked else f"no rotary function verified: exported plain, rope_export.passes.fuse made {made} "
+                 "rotary node(s)")
+
+
+def _wrapper(model, layer, inputs, layout, position_rank, seed):
+    """(module to trace, its inputs, dynamic shapes, input names, output names, kind)."""
+    b, s, p = _dims(layout.has_states)
+    pos_shape = {1: b, 2: s} if position_rank == 3 else {0: b, 1: s}
+    if layer is None:
+        input_names, output_names = hf_io_names(layout)
+        past = tuple({0: b} if axis is None else {0: b, axis: p} for axis in layout.past_axes())
+        return (CausalLMWithCache(model, layout).eval(), inputs, ({0: b, 1: s}, pos_shape, past), input_names,
+                output_names, "hf-causal-lm")
+    module = AttentionWithCache(model, layer).eval()
+    index = module.attention.layer_idx
+    slot = next((n for n, io in enumerate(layout.layers) if io.index == index), None)
+    if slot is None or any(io.names() != ["key", "value"] for io in layout.layers[: slot + 1]):
+        raise HFExportError(f"attention layer {layer} keeps no plain keys and values of its own (shared, or with an "
+                            "indexer cache or states); export the whole model")
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(inputs[0].shape[0], inputs[0].shape[1], text_config(model.config).hidden_size,
+                         generator=generator).to(inputs[2].dtype)
+    layer_inputs = (hidden, inputs[1], inputs[2 + 2 * slot], inputs[3 + 2 * slot])
+    shapes = ({0: b, 1: s}, pos_shape, {0: b, 2: p}, {0: b, 2: p})
+    return module, layer_inputs, shapes, list(INPUT_NAMES), list(OUTPUT_NAMES), "hf-attention"
+
+
+def export_hf(
+    model,
+    output: str | os.PathLike | None = None,
+    *,
+    layer: int | None = None,
+    family: str | None = None,
+    fallback: str = "auto",
+    allow_decomposed: bool = False,
+    opset: int = 23,
+    weights: str | None = None,
+    seed: int = 0,
+    example: tuple[int, int, int] | None = None,
+    external: str = "auto",
+    progress: Callable[[str], None] | None = None,
+    verbose: bool = False,
+) -> HFExportResult:
+    """Export a transformers causal LM (or attention ``layer``) with one rotary node per rotation.
+
+    The rotary function(s) the model calls are found by code and verified numerically, whatever
+    its model_type; if none verifies, the plain export is fused. ``family`` (override) insists on a
+    registered family's form. ``fallback`` (override): ``"auto"`` (default) as just said,
+    ``"error"`` refuses a model without a verified function, ``"plain"`` exports without hook or
+    fusion (RoPE stays decomposed: a warning), ``"fuse"`` skips the hook and fuses.
+
+    The rotations transformers performs in one eager forward are compared with the rotary nodes
+    of the file: fewer nodes raise ``DecomposedRotationError`` naming the layers left decomposed,
+    unless ``allow_decomposed`` (then a warning and a note). ``example`` is (batch, seq, past) of
+    the tracing inputs (default (2, 4, 3); (2, 5, 3) for hybrids, whose chunked scans must not see a
+    sequence that divides their chunk size); use seq >= 2 (torch.export fixes a dim whose example
+    size is 1). ``external``: where the weights go (``onnx_files.EXTERNAL_DATA``); they are streamed
+    from the model's tensors to disk, never copied into one ModelProto.
+    """
+    say = progress or (lambda message: None)
+    if fallback not in FALLBACKS:
+        raise HFExportError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+    _check_opset(opset)
+    if output is not None:
+        _check_writable(Path(output))
+    fam = family_of(model, family)
+    dtype_name = {v: k for k, v in DTYPES.items()}.get(next(model.parameters()).dtype, "fp32")
+    notes: list[str] = []
+    with model_state_kept(model):  # the eager forwards may let transformers cache things on its modules
+        layout = cache_layout(model)
+        check_sliding_layers(model)
+        batch, seq, past = example or ((2, 5, 3) if layout.has_states else (2, 4, 3))
+        inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
+                                   position_rank=fam.position_rank, layout=layout)
+        module, inputs, shapes, input_names, output_names, kind = _wrapper(model, layer, inputs, layout,
+                                                                            fam.position_rank, seed)
+        say("counting the rotations transformers performs in one eager forward")
+        with recorded_calls() as called:
+            census = eager_rotations(module, inputs)
+        say("finding the rotary functions the model calls")
+        functions = [] if fallback in ("plain", "fuse") else detect(model, fam, called)
+    if not functions and fam.forced and fallback not in ("plain", "fuse"):
+        raise forced_failure(model, fam)
+    if not functions and fallback == "error":
+        raise HFExportError(f"no function {type(model).__name__} calls verifies as a rotary form, and "
+                            "fallback='error' was asked; drop it to export plain and fuse")
+    say(f"exporting {type(model).__name__} ({kind}, {len(layout.layers)} cache layers) with torch.export")
+    hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
+    try:
+        with model_state_kept(model), hook_ctx as hook:
+            program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say)
+    except HFExportError:
+        raise
+    except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
+        raise _export_failure(model, exc, layout) from exc
+    description = _describe(hook, fallback)
+    if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
+        _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
+    onnx_model = graph_proto(program)  # the graph to edit; the weights stay in torch until finish_export
+    _check_dynamic(onnx_model, fam.position_rank)
+    _name_dims(onnx_model, fam.position_rank, layout)
+    say("comparing the eager rotations with the file's rotary nodes")
+    report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
+                               notes=notes)
+    metadata = hf_metadata(model, fam, hook_description=description,
+                           interleaved=hook.interleaved if hook is not None else False,
+                           dtype=dtype_name, kind=kind, weights=weights, seed=seed, layer=layer)
+    metadata[METADATA_PREFIX + "rotations_eager"] = str(report.expected)
+    metadata[METADATA_PREFIX + "rotary_nodes"] = str(report.found)
+    for key, value in metadata.items():
+        onnx_model.metadata_props.add(key=key, value=value)
+    onnx_model.producer_name, onnx_model.producer_version = "rope-export", __version__
+    onnx_model = finish_export(onnx_model, program, output, external=external, progress=say)
+    return HFExportResult(onnx_model, None if output is None else Path(output), fam, description, len(layout.layers),
+                          kind, notes, report.expected, layout)
+
+
+def _describe(hook: HookState | None, fallback: str) -> str:
+    if hook is not None:
+        return hook.description
+    if fallback == "plain":
+        return "none (plain export: RoPE decomposed)"
+    return "none (no rotary function verified): plain export fused by rope_export.passes.fuse"
+

@@ -1,0 +1,88 @@
+"""Building a transformers model offline: from a local config (folder or .json) and optional local weights.
+
+The model is built the way it exports: eager attention (plain ONNX ops) and, for mixture-of-experts
+models, transformers' ``batched_mm`` experts implementation (its default, ``grouped_mm``, emits
+``torch.ops.transformers.grouped_mm_fallback``, which torch.onnx cannot translate).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from rope_export.export import DTYPES
+from rope_export.hf.errors import HFExportError
+from rope_export.hf.families import MODEL_TYPES, text_config
+
+EXPERTS_IMPLEMENTATION = "batched_mm"  # plain bmm/index ops: exportable
+
+
+def load_hf_config(path: str | os.PathLike):
+    """A transformers config from a local folder (with config.json) or a .json file; never the hub."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise HFExportError(f"{path} has no config.json; give a folder with config.json or the .json file")
+    elif not path.is_file():
+        raise HFExportError(f"{path}: no such file or folder (give a config.json or the folder holding it)")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers' config validation raises several kinds: say its reason
+        raise HFExportError(f"{path}: not a config transformers accepts: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause's message, on one line (strict-dataclass validation wraps the real ValueError)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text[:300] or type(exc).__name__
+
+
+def check_config(config) -> None:
+    """Refuse, in one line, a config whose shapes cannot make a model (before building anything)."""
+    text = text_config(config)
+    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+    if isinstance(heads, int) and isinstance(hidden, int):
+        if heads <= 0:
+            raise HFExportError(f"{text.model_type}: num_attention_heads must be positive, got {heads}")
+        if hidden % heads and not getattr(text, "head_dim", None):
+            raise HFExportError(
+                f"{text.model_type}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and the "
+                "config sets no head_dim; fix one of them in the config"
+            )
+
+
+def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: str = "fp32", seed: int = 0,
+                   progress: Callable[[str], None] | None = None):
+    """The causal LM of ``config`` (a config object or a path), random (seeded) or from local ``weights``.
+
+    Attention is transformers' eager implementation and experts use ``batched_mm``: both export to
+    plain ONNX ops. The weights are allocated once in ``dtype`` (``rope_export.checkpoints``: no
+    float32 detour, no transient copy).
+    """
+    import transformers
+
+    from rope_export.checkpoints import CheckpointError, build_causal_lm
+
+    if not isinstance(config, transformers.PretrainedConfig):
+        config = load_hf_config(config)
+    if dtype not in DTYPES:
+        raise HFExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    check_config(config)
+    model_type = config.model_type
+    auto_name = MODEL_TYPES[model_type].auto_class if model_type in MODEL_TYPES else "AutoModelForCausalLM"
+    auto = getattr(transformers, auto_name)
+    options = dict(attn_implementation="eager", experts_implementation=EXPERTS_IMPLEMENTATION)
+    try:
+        model, _ = build_causal_lm(auto, config, DTYPES[dtype], weights=weights, seed=seed, options=options,
+                                   progress=progress)
+    except CheckpointError as exc:
+        raise HFExportError(str(exc)) from None
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HFExportError(f"cannot build a {auto_name} for model_type {model_type!r}: {first}") from None
+    return model.eval()

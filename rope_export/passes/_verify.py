@@ -1,0 +1,107 @@
+"""The last check before a rewrite: the matched ops, run on random inputs, equal the op contract
+with the caches the rewrite hands the fused node.
+
+The site's own inputs are fed: the rotated tensor (random normal) and every graph input the
+cos/sin path reads (position ids: random in-range integers; float inputs: random normal). The
+expected result is ``rope_export.onnx_op.rotary_numpy`` (the contract in NumPy) on the op's X with
+the traced caches. A look-alike (cos and sin of different angles, a scale that is not RoPE, a
+permutation that only looks like a rotation) differs by O(1) and is left alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rope_export.onnx_op import rotary_numpy
+from rope_export.passes._cos_sin import Trace, _numeric_step
+from rope_export.passes._probe import Probe, ProbeError
+from rope_export.passes._site import SkipSite, random_feeds, tokens_of
+from rope_export.passes._values import dtype_name, dtype_of
+from rope_export.tolerances import tolerance
+
+SEED = 20261123
+MAX_POSITION = 16  # random positions stay below this (and below half a gathered table)
+# cos² + sin² must be one constant (1, or a magnitude factor such as YaRN's) within the caches'
+# own rounding: fp32 ~1e-7, fp16 ~1e-3, bf16 ~8e-3 per value
+MAGNITUDE_RTOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def verify(probe: Probe, site) -> None:
+    """Raise SkipSite unless the site's ops compute the contract with ``site``'s caches."""
+    rng = np.random.default_rng(SEED)
+    source = site.candidate.source
+    feeds = {source: rng.standard_normal(site.source_shape).astype(source.dtype.numpy())}
+    traces = (site.cos, site.sin)
+    rows = min([t.table.shape[0] for t in traces if t.kind == "gather"] or [2 * MAX_POSITION])
+    try:
+        feeds = random_feeds(probe, [site.y], feeds, rng, min(rows // 2, MAX_POSITION))
+        wanted = [site.y, source if site.candidate.flatten_source else site.x]
+        wanted += [v for t in traces for v in _ingredients(t)]
+        values = dict(zip(wanted, probe.run(wanted, feeds), strict=True))
+    except ProbeError as exc:
+        raise SkipSite(f"the numerical check could not run: {exc}") from exc
+    x = values[wanted[1]].astype(values[site.y].dtype)
+    if site.candidate.flatten_source:
+        x = x.reshape(*x.shape[:-2], -1)
+    batch, seq = (x.shape[0], x.shape[2]) if site.layout == "bhsd" else (x.shape[0], x.shape[1])
+    (cos, pos), (sin, _) = (_caches(t, values, probe, site, batch, seq) for t in traces)
+    if site.cos.kind != "gather":
+        sin = sin * site.form.sin_sign
+    _check_magnitude(cos, sin, _cache_dtype(site))
+    rd_attr = site.form.rd if site.form.rd < site.form.width else 0
+    args = dict(interleaved=int(site.form.interleaved), rotary_embedding_dim=rd_attr)
+    if site.layout == "bhsd":
+        expected = rotary_numpy(x, cos, sin, pos, num_heads=0, **args)
+    else:
+        expected = rotary_numpy(x.reshape(batch, seq, -1), cos, sin, pos, num_heads=site.heads, **args).reshape(x.shape)
+    got = values[site.y]
+    name = _tolerance_name(got)
+    # float32: two implementations of the contract; half types: the original may round each step
+    kind = "op" if name == "float32" else "block"
+    if got.shape != expected.shape or not tolerance(kind, name).allclose(got, expected):
+        error = np.max(np.abs(got.astype(np.float64) - expected.astype(np.float64))) if got.shape == expected.shape \
+            else float("nan")
+        raise SkipSite(f"the numerical check failed: on random inputs the ops differ from the rotation by up to "
+                       f"{error:.3g} (not RoPE: cos/sin of different angles, an extra scale, or another mix)")
+
+
+def _check_magnitude(cos: np.ndarray, sin: np.ndarray, dtype: str) -> None:
+    """A rotation's cos/sin satisfy cos² + sin² = m² with one m; anything else is not RoPE."""
+    squared = cos.astype(np.float64) ** 2 + sin.astype(np.float64) ** 2
+    mid = float(np.median(squared))
+    if mid <= 0 or np.max(np.abs(squared - mid)) > MAGNITUDE_RTOL.get(dtype, 3e-2) * mid:
+        raise SkipSite(f"cos² + sin² is not constant (from {squared.min():.4g} to {squared.max():.4g}): not a plain "
+                       "rotation (an xPos-style scaled rotation, or cos and sin of different angles)")
+
+
+def _cache_dtype(site) -> str:
+    return dtype_name(dtype_of(site.candidate.cos))
+
+
+def _tolerance_name(array: np.ndarray) -> str:
+    return {"float32": "float32", "float16": "float16"}.get(str(array.dtype), "bfloat16")
+
+
+def _ingredients(trace: Trace) -> list:
+    if trace.kind == "gather":
+        return [trace.positions]
+    return [trace.base]
+
+
+def _caches(trace: Trace, values: dict, probe: Probe, site, batch: int, seq: int):
+    """(cache, positions or None) as float32 NumPy arrays for the contract."""
+    if trace.kind == "gather":
+        pos = np.asarray(values[trace.positions]).astype(np.int64)
+        pos = np.broadcast_to(pos[None] if pos.ndim == 1 else pos, (batch, seq))
+        return trace.table.astype(np.float32), np.ascontiguousarray(pos)
+    base = np.asarray(values[trace.base])
+    if trace.kind == "graph":
+        tokens = tokens_of(base, site.product_rank, site.layout, site.form, site.candidate.pairs)
+    else:
+        tokens = base
+        for node, index in trace.steps:
+            tokens = _numeric_step(tokens, node, index)
+        if not trace.base_has_batch:
+            tokens = tokens[None]
+    tokens = np.broadcast_to(tokens.astype(np.float32), (batch, seq, site.form.rd // 2))
+    return np.ascontiguousarray(tokens), None

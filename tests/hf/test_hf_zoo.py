@@ -1,0 +1,108 @@
+"""The zoo: every RoPE causal-LM model type of transformers, exported with default flags.
+
+For each type of ``ZOO_TYPES`` a tiny random-weight model is built from its own config
+(``hf_zoo_configs``) and ``export_hf`` runs with default flags; the file must have one rotary node
+per rotation transformers performs in one eager forward, and match transformers' logits and
+present keys/values for a prefill and a decode step (``hf_zoo.check_type``). What each type does
+is recorded in ``hf_zoo_results.json``; every test checks its type against that record: an export
+that passes must keep passing the same way, a refusal must keep its reason, and an expected failure
+is ``xfail(strict=True)`` with the recorded reason, so a fix shows up as an XPASS to record.
+
+``make test`` runs ``FAST`` (one type of each kind: dense, MoE, MLA, sliding/NoPE, per-layer
+geometry, interleaved, partial, DSA, hybrids); the others are marked ``slow`` (``make test-slow``).
+``make hf-zoo`` re-records every type and re-renders the README table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import hf_zoo  # noqa: E402
+from hf_zoo_configs import NOT_IN_ZOO, ZOO_TYPES  # noqa: E402
+from hf_zoo_table import README, load_results, readme_table, render  # noqa: E402
+
+RESULTS = load_results()
+
+# One of each kind, for make test (the family tests in test_hf_export.py cover Llama, Mistral,
+# Qwen2/3, Gemma, Phi, Phi-3, GPT-NeoX, GPT-J, Llama 4 and Qwen2-VL on their own).
+FAST = (
+    "olmo",  # dense, a type rope-export has no entry for
+    "mixtral", "qwen3_moe",  # MoE (batched_mm experts)
+    "deepseek_v3", "minicpm3",  # MLA: key width != value width, interleaved-to-half-order
+    "deepseek_v2",  # MLA with complex freqs_cis
+    "gemma3_text", "cohere2",  # sliding window + global layers
+    "gemma4_text",  # per-layer geometry
+    "glm", "nanochat", "cohere",  # GLM interleaved, sign-flipped rotate_half, repeat-interleaved angles
+    "stablelm",  # partial rotary
+    "gpt_oss",  # half-width angles, MoE, sinks
+    "deepseek_v32",  # DSA: the indexer's keys are cache I/O too
+    "bamba", "minimax", "recurrent_gemma",  # hybrids
+)
+
+
+def _param(model_type: str):
+    marks = [] if model_type in FAST else [pytest.mark.slow]
+    recorded = RESULTS.get(model_type)
+    if recorded is not None and recorded["status"] == "fail":
+        marks.append(pytest.mark.xfail(strict=True, reason=recorded["reason"]))
+    return pytest.param(model_type, marks=marks, id=model_type)
+
+
+def _record(result: hf_zoo.ZooResult) -> None:
+    path = os.environ.get("HF_ZOO_RECORD")
+    if path:
+        with open(path, "a") as sink:
+            sink.write(json.dumps(result.as_dict()) + "\n")
+
+
+@pytest.mark.parametrize("model_type", [_param(t) for t in ZOO_TYPES])
+def test_zoo_type_exports_by_default_as_recorded(model_type):
+    result = hf_zoo.check_type(model_type)
+    _record(result)
+    recorded = RESULTS.get(model_type)
+    assert recorded is not None, f"{model_type} has no recorded result: run make hf-zoo"
+    if recorded["status"] == "refused":
+        assert (result.status, result.reason) == ("refused", recorded["reason"])
+        return
+    assert result.status == "pass", result.reason  # an expected failure fails here (xfail strict)
+    assert (result.rotary_nodes, result.how) == (recorded["rotary_nodes"], recorded["how"])
+    assert result.rotary_nodes == result.rotations > 0
+
+
+# -- the zoo's coverage and its README table ---------------------------------------------------
+
+def _rope_causal_lm_types() -> set[str]:
+    """Causal-LM model types of the installed transformers whose modeling file has a rotary function or class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = set()
+    for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        try:
+            source = inspect.getsource(importlib.import_module(getattr(transformers, class_name).__module__))
+        except Exception:  # noqa: BLE001, S112 - a type whose modeling file does not import here is not counted
+            continue
+        if re.search(r"rotary|rotate_half|apply_rotary|\brope_|freqs_cis|RotaryEmbedding", source):
+            found.add(model_type)
+    return found
+
+
+def test_the_zoo_and_its_exclusions_cover_every_rope_causal_lm_type():
+    every = _rope_causal_lm_types()
+    assert set(ZOO_TYPES) | set(NOT_IN_ZOO) == every, "a RoPE causal-LM type is neither in the zoo nor excluded"
+    assert not set(ZOO_TYPES) & set(NOT_IN_ZOO)
+    assert len(ZOO_TYPES) >= 60
+
+
+def test_every_zoo_type_is_recorded_and_the_readme_table_is_rendered_from_the_records():
+    assert sorted(RESULTS) == sorted(ZOO_TYPES), "run make hf-zoo to record the zoo"
+    assert readme_table(Path(README).read_text()) == render(RESULTS), \
+        "the README's zoo table is not the one rendered from tests/hf/hf_zoo_results.json: run make hf-zoo"
