@@ -125,12 +125,14 @@ def available_memory() -> int | None:
         return None
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+def format_bytes(n: float | None) -> str:
+    """Bytes for people, in decimal units as disks and the reports count them: 2.47 GB, 31.5 MB, 812 kB, 96 B."""
+    if n is None:
+        return "-"
+    for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def check_allocation(what: str, parts: Mapping[str, int], fix: str, limit: int | None = None) -> int:

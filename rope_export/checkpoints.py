@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rope_export.bounds import check_allocation
-from rope_export.steps import detail, gb
+from rope_export.bounds import check_allocation, format_bytes
+from rope_export.steps import detail
 
 CHUNK_BYTES = 64 * 2**20  # conversion buffer for a tensor stored in another dtype
 INDEX_FILE = "model.safetensors.index.json"
@@ -135,7 +135,7 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
         model = auto_class.from_config(config, **options)
     if weights is None:
         allocated = materialize(model, dtype)
-        detail(progress, f"initializing {gb(allocated)} of random weights")
+        detail(progress, f"initializing {format_bytes(allocated)} of random weights")
         for part in (*model.modules(), *model.parameters()):  # from_config marked them done while on meta
             part.__dict__.pop("_is_hf_initialized", None)
         torch.manual_seed(seed)
@@ -279,7 +279,7 @@ def load_safetensors(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLi
                 report.tensors += 1
                 report.bytes_read += entry.length
                 detail(progress, f"loading weights: {report.tensors} of {len(plan)} tensors, "
-                                 f"{gb(report.bytes_read)} of {gb(total)}")
+                                 f"{format_bytes(report.bytes_read)} of {format_bytes(total)}")
     return report
 
 

@@ -31,8 +31,9 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from rope_export.bounds import format_bytes
 from rope_export.fileio import check_writable, commit_moves, staging_dir
-from rope_export.steps import detail, file_sizes, gb
+from rope_export.steps import detail, file_sizes
 
 EXTERNAL_DATA = ("auto", "single", "per-tensor", "never")
 EXTERNAL_DATA_HELP = ("where the weights go: auto (inside the .onnx up to 2 GB, else NAME.data), single "
@@ -151,7 +152,8 @@ def resolve_external(external: str, weights: int) -> str:
         raise OnnxFileError(f"external data {external!r}: choose one of {', '.join(EXTERNAL_DATA)}")
     too_big = weights >= EXTERNAL_DATA_THRESHOLD
     if external == "never" and too_big:
-        raise OnnxFileError(f"the model has {gb(weights)} of weights, past protobuf's 2 GB limit for one file; "
+        raise OnnxFileError(f"the model has {format_bytes(weights)} of weights, past protobuf's 2 GB limit for "
+                            "one file; "
                             "write them beside it (external data auto, single or per-tensor)")
     if external == "auto":
         return "single" if too_big else "never"
@@ -178,14 +180,14 @@ def write(model: ir.Model | onnx.ModelProto, path: str | os.PathLike, *, externa
     with staging_dir(path) as stage:
         _check_free_space(stage, weights, path)
         if mode == "never":
-            say(f"writing {path} ({gb(weights)} of weights inside it)")
+            say(f"writing {path} ({format_bytes(weights)} of weights inside it)")
             if proto is not None and not _has_external(proto):
                 onnx.save_model(proto, str(stage / path.name))  # as given, byte for byte
             else:
                 _write_inline(model, stage / path.name)
         else:
             where = data.name + ("/" if mode == "per-tensor" else "")
-            say(f"writing {path} and its weights ({gb(weights)}) to {where}")
+            say(f"writing {path} and its weights ({format_bytes(weights)}) to {where}")
             _write_external(model, stage, path.name, data.name, mode, progress)
         if check:
             say(f"checking {path.name} (onnx.checker, full check, on the file)")
@@ -205,7 +207,8 @@ def _has_external(proto: onnx.ModelProto) -> bool:
 def _check_free_space(folder: Path, weights: int, path: Path) -> None:
     free = shutil.disk_usage(folder).free
     if weights > free:
-        raise OnnxFileError(f"cannot write {path}: its weights need {gb(weights)} and {folder.parent} has {gb(free)} "
+        raise OnnxFileError(f"cannot write {path}: its weights need {format_bytes(weights)} and {folder.parent} "
+                            f"has {format_bytes(free)} "
                             "free; free some space or write elsewhere")
 
 
@@ -258,7 +261,8 @@ def _write_external(model: ir.Model, stage: Path, model_name: str, data_name: st
                                                     name=value.name, base_dir=str(stage))
                 offset += tensor.nbytes
                 done += tensor.nbytes
-                detail(progress, f"writing weights: tensor {i} of {len(big)}, {gb(done)} of {gb(total)}")
+                detail(progress, f"writing weights: tensor {i} of {len(big)}, {format_bytes(done)} of "
+                                 f"{format_bytes(total)}")
             if f.tell() != offset:
                 raise OnnxFileError(f"writing {data_name}: wrote {f.tell():,} bytes where {offset:,} were expected")
     else:
@@ -273,7 +277,8 @@ def _write_external(model: ir.Model, stage: Path, model_name: str, data_name: st
             external[value] = ir.ExternalTensor(f"{data_name}/{file_name}", 0, tensor.nbytes, tensor.dtype,
                                                 shape=tensor.shape, name=value.name, base_dir=str(stage))
             done += tensor.nbytes
-            detail(progress, f"writing weights: tensor {i} of {len(big)}, {gb(done)} of {gb(total)}")
+            detail(progress, f"writing weights: tensor {i} of {len(big)}, {format_bytes(done)} of "
+                             f"{format_bytes(total)}")
     with _SwappedTensors({**small, **external}):
         proto = ir.to_proto(model)
     onnx.save_model(proto, str(stage / model_name))

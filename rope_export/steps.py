@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rope_export.bounds import format_bytes
+
 SAMPLE_PERIOD_S = 0.02
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -36,16 +38,6 @@ def rss_bytes() -> int:
     except OSError:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
-
-
-def gb(n: float | None) -> str:
-    """Bytes for people: 2.47 GB, 31.5 MB, 812 kB, 96 B."""
-    if n is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GB" else f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -118,10 +110,11 @@ class StepLog:
         for column, justify in (("step", "left"), ("time", "right"), ("peak RSS", "right")):
             table.add_column(column, justify=justify)
         for step in self.steps:
-            table.add_row(step.name, f"{step.seconds:.1f} s", gb(step.peak_rss))
-        table.add_row("[bold]total[/bold]", f"[bold]{self.seconds:.1f} s[/bold]", f"[bold]{gb(self.peak_rss)}[/bold]")
+            table.add_row(step.name, f"{step.seconds:.1f} s", format_bytes(step.peak_rss))
+        total_rss = format_bytes(self.peak_rss)
+        table.add_row("[bold]total[/bold]", f"[bold]{self.seconds:.1f} s[/bold]", f"[bold]{total_rss}[/bold]")
         for path, size in self.files:
-            table.add_row(f"file {path}", "", gb(size))
+            table.add_row(f"file {path}", "", format_bytes(size))
         return table
 
     # -- internals --------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import time
 
 import numpy as np
 
-from rope_export.steps import SAMPLE_PERIOD_S, StepLog, gb, rss_bytes
+from rope_export.bounds import format_bytes
+from rope_export.steps import SAMPLE_PERIOD_S, StepLog, rss_bytes
 
 
 def test_each_message_is_a_step_with_its_own_time_and_peak(tmp_path):
@@ -41,5 +42,5 @@ def test_each_message_is_a_step_with_its_own_time_and_peak(tmp_path):
 
 def test_rss_and_sizes_for_people():
     assert 10 * 2**20 < rss_bytes() < 64 * 2**30
-    assert [gb(n) for n in (96, 812_000, 31_500_000, 2_471_628_800, None)] == \
+    assert [format_bytes(n) for n in (96, 812_000, 31_500_000, 2_471_628_800, None)] == \
         ["96 B", "812.0 kB", "31.5 MB", "2.47 GB", "-"]

@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rope_export.bounds import format_bytes
 from rope_export.check.runners import PIECE_LIMIT
-from rope_export.steps import gb
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 RSS_GOAL = 1.3  # peak RSS of export --hf over the weight bytes
@@ -120,12 +120,14 @@ def fits(plan: dict) -> str:
     step, need_memory = max(steps.items(), key=lambda item: item[1])
     available = _mem_available()
     if available is not None and need_memory > available:
-        return (f"needs about {gb(need_memory)} of memory (its largest step, {step}: "
-                f"{', '.join(f'{k} {gb(v)}' for k, v in steps.items())}); {gb(available)} available now")
+        return (f"needs about {format_bytes(need_memory)} of memory (its largest step, {step}: "
+                f"{', '.join(f'{k} {format_bytes(v)}' for k, v in steps.items())}); {format_bytes(available)} "
+                "available now")
     need_disk = 3 * plan["weight_bytes"] + 1e9  # plain + ours + one lowered or fused file at a time
     free = shutil.disk_usage(plan["work"]).free
     if need_disk > free:
-        return f"needs about {gb(need_disk)} of disk in {plan['work']} (three copies of the weights); {gb(free)} free"
+        return (f"needs about {format_bytes(need_disk)} of disk in {plan['work']} (three copies of the weights); "
+                f"{format_bytes(free)} free")
     return ""
 
 
@@ -195,7 +197,7 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
         steps.append(record)
         if record["returncode"] != 0:
             raise RuntimeError(f"{name} failed (exit {record['returncode']}): {_tail(record['log'])}")
-        say(f"scale {size}: {name}: {record['seconds']:.0f} s, peak RSS {gb(record['peak_rss'])}")
+        say(f"scale {size}: {name}: {record['seconds']:.0f} s, peak RSS {format_bytes(record['peak_rss'])}")
         if after_step is not None:
             after_step(name, list(outputs))
         return record
@@ -296,7 +298,8 @@ def goals(section: dict) -> list[dict]:
     for r in section.get("sizes", []):
         if r.get("status") != "measured":
             continue
-        q, where = r["ratios"], f"{r['size']} ({r['shape']}, {r['dtype']}, {gb(r['weight_bytes'])} of weights)"
+        weights = format_bytes(r["weight_bytes"])
+        q, where = r["ratios"], f"{r['size']} ({r['shape']}, {r['dtype']}, {weights} of weights)"
         out += [
             {"goal": f"peak RSS of export --hf <= {RSS_GOAL}x the weight bytes", "where": where,
              "measured": q["export_peak_rss_over_weights"], "unit": "x weights",

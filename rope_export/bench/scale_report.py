@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import statistics
 
+from rope_export.bounds import format_bytes
 from rope_export.plotting import pyplot_or_none, save_png
-from rope_export.steps import gb
 
 PLAIN, OURS, CHECK = "plain export", "export --hf", "check"
 
@@ -23,14 +23,15 @@ def _rows(size: dict) -> list[tuple[str, str, str, str, str]]:
             rows.append((s["step"], "-", "-", "-", f"skipped: {s['skipped']}"))
             continue
         data = sum(f["bytes"] for f in s.get("files", []))
-        note = s.get("note", "") or (f"wrote {gb(data)}" if data else "")
-        rows.append((s["step"], f"{s['seconds']:.1f} s", gb(s["peak_rss"]), f"{s['peak_rss'] / weights:.2f}x", note))
+        note = s.get("note", "") or (f"wrote {format_bytes(data)}" if data else "")
+        rss = format_bytes(s["peak_rss"])
+        rows.append((s["step"], f"{s['seconds']:.1f} s", rss, f"{s['peak_rss'] / weights:.2f}x", note))
     return rows
 
 
 def _title(size: dict) -> str:
     return (f"{size['size']}: {size['shape']}, {size['dtype']}, {size['parameters'] / 1e9:.2f} B parameters, "
-            f"{gb(size['weight_bytes'])} of weights")
+            f"{format_bytes(size['weight_bytes'])} of weights")
 
 
 def _ratio_line(size: dict) -> str:
@@ -46,7 +47,7 @@ def _plan_line(size: dict) -> str:
     if not plan:
         return ""
     return "peak RSS on paper (bytes of the plan checked before the run): " + ", ".join(
-        f"{step} {gb(n)}" for step, n in plan.items())
+        f"{step} {format_bytes(n)}" for step, n in plan.items())
 
 
 def _inner(size: dict) -> list[tuple[str, str, str, str]]:
@@ -54,7 +55,7 @@ def _inner(size: dict) -> list[tuple[str, str, str, str]]:
     out = []
     for key, label in (("plain_steps", PLAIN), ("export_steps", OURS), ("check_steps", CHECK)):
         for s in size.get(key, []):
-            out.append((label, s["name"], f"{s['seconds']:.1f} s", gb(s["peak_rss"])))
+            out.append((label, s["name"], f"{s['seconds']:.1f} s", format_bytes(s["peak_rss"])))
     return out
 
 

@@ -11,12 +11,13 @@ import time
 import numpy as np
 import onnx
 
+from rope_export.bounds import format_bytes
 from rope_export.check import cache_rows
 from rope_export.check.compare import compare_output, token_errors
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
 from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
-from rope_export.check.model_file import CheckError, ModelFile, free_memory, gib, memory_limit_bytes
+from rope_export.check.model_file import CheckError, ModelFile, free_memory, memory_limit_bytes
 from rope_export.check.pieces import StreamedRunner
 from rope_export.check.references import _file_dtype, choose_reference
 from rope_export.check.report import CheckReport, RunnerReport
@@ -69,8 +70,8 @@ def check(
     if reference is not None and hf_config is not None:
         raise CheckError("give either --reference OTHER.onnx or --hf CONFIG, not both")
     limit = memory_limit_bytes(memory_limit_gb)
-    max_in_memory = MAX_IN_MEMORY if max_in_memory_gb is None else int(max_in_memory_gb * 2**30)
-    limits = Limits(limit, max_in_memory, None if piece_limit_gb is None else int(piece_limit_gb * 2**30))
+    max_in_memory = MAX_IN_MEMORY if max_in_memory_gb is None else int(max_in_memory_gb * 1e9)
+    limits = Limits(limit, max_in_memory, None if piece_limit_gb is None else int(piece_limit_gb * 1e9))
     say(f"opening {model if not isinstance(model, onnx.ModelProto) else 'the model'}")
     mf = ModelFile.open(model)
     source = file_source(mf)
@@ -166,7 +167,7 @@ def check(
             continue
         finally:
             if isinstance(runner, StreamedRunner):
-                note = note.rstrip(")") + f"; {gib(runner.kept_bytes)} of values kept between pieces)"
+                note = note.rstrip(")") + f"; {format_bytes(runner.kept_bytes)} of values kept between pieces)"
             del runner
             mf.release()
             free_memory(mf.weight_bytes)
@@ -186,7 +187,8 @@ def check(
         notes.append("no rotary node could be run alone (none in the file, or none with static head sizes); the "
                      "positions are covered by the stress cases only")
     if mf.external:
-        notes.append(f"weights: {gib(mf.weight_bytes)} in external data, read by each runner from the path in turn")
+        notes.append(f"weights: {format_bytes(mf.weight_bytes)} in external data, read by each runner from the "
+                     "path in turn")
     return CheckReport(
         model=mf.label, reference=ref.label, against=_short(ref), independent=ref.independent, dtype=dtype,
         tolerance=tol, runners=reports, tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,

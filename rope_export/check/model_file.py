@@ -20,6 +20,7 @@ import onnx
 from onnx import helper
 
 from rope_export import onnx_op  # noqa: F401  (registers the rope_export schema for onnx.checker)
+from rope_export.bounds import format_bytes
 
 METADATA_PREFIX = "rope_export."
 PROTOBUF_LIMIT = 2**31 - 2**20  # a ModelProto past this cannot be serialized
@@ -69,10 +70,6 @@ def tensor_nbytes(tensor: onnx.TensorProto) -> int:
     except (KeyError, TypeError, ValueError):
         itemsize = 1
     return math.prod(tensor.dims) * itemsize
-
-
-def gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GB" if nbytes >= 2**27 else f"{nbytes / 2**20:.1f} MB"
 
 
 class ModelFile:
@@ -227,7 +224,7 @@ def memory_limit_bytes(limit_gb: float | None = None) -> int:
     """The most ``check`` lets one plan take (a case's tensors, the reference model, one onnxruntime session):
     the flag, else the memory available now (``bounds.available_memory``, as export's checks use)."""
     if limit_gb is not None:
-        return int(limit_gb * 2**30)
+        return int(limit_gb * 1e9)  # decimal GB, as every size check prints
     from rope_export.bounds import available_memory
 
     return available_memory() or 16 * 2**30
@@ -236,7 +233,8 @@ def memory_limit_bytes(limit_gb: float | None = None) -> int:
 def require_memory(what: str, nbytes: float, limit: int) -> None:
     """Refuse, before allocating, a plan that would take more than ``limit`` bytes."""
     if nbytes > limit:
-        raise CheckError(f"{what} would allocate about {gib(nbytes)}, more than the {gib(limit)} check allows here "
+        raise CheckError(f"{what} would allocate about {format_bytes(nbytes)}, more than the "
+                         f"{format_bytes(limit)} check allows here "
                          "(--memory-limit GB raises it); fix the sizes or the file's metadata")
 
 

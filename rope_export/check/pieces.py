@@ -27,7 +27,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from rope_export.check.model_file import CheckError, free_memory, gib, tensor_nbytes
+from rope_export.bounds import format_bytes
+from rope_export.check.model_file import CheckError, free_memory, tensor_nbytes
 
 HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -116,7 +117,7 @@ class Piece:
     def describe(self, graph: onnx.GraphProto) -> str:
         first, last = (graph.node[self.nodes[i]] for i in (0, -1))
         names = f"{first.name or first.op_type} .. {last.name or last.op_type}"
-        return f"{len(self.nodes)} nodes ({names}), {gib(self.weight_bytes)} of weights"
+        return f"{len(self.nodes)} nodes ({names}), {format_bytes(self.weight_bytes)} of weights"
 
 
 def plan_pieces(graph: onnx.GraphProto, budget: int) -> list[Piece]:

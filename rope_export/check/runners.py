@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from rope_export.bounds import format_bytes
 from rope_export.check.graph import rotary_nodes
-from rope_export.check.model_file import CheckError, ModelFile, gib
+from rope_export.check.model_file import CheckError, ModelFile
 from rope_export.check.pieces import StreamedRunner, plan_pieces, session_costs
 
 RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
@@ -60,9 +61,9 @@ def _kinds(mf: ModelFile) -> set[str]:
 
 def _needs_proto(mf: ModelFile, name: str, max_in_memory: int) -> None:
     if mf.external and mf.weight_bytes > max_in_memory:
-        raise Skip(f"{name} needs the whole model in memory as a ModelProto ({gib(mf.weight_bytes)} of weights, "
-                   f"more than the {gib(max_in_memory)} check loads; --max-in-memory GB raises it); onnxruntime runs "
-                   "this file from its path")
+        raise Skip(f"{name} needs the whole model in memory as a ModelProto ({format_bytes(mf.weight_bytes)} of "
+                   f"weights, more than the {format_bytes(max_in_memory)} check loads; --max-in-memory GB raises it); "
+                   "onnxruntime runs this file from its path")
 
 
 def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, cases=(), limits: Limits = Limits()):
@@ -153,13 +154,15 @@ def _streamed(mf, model, folder, provider, name, whole, budget, limits: Limits):
     pieces = plan_pieces(model.graph, budget)
     largest = max(p.session_bytes for p in pieces)
     if limits.memory is not None and largest > limits.memory:
-        raise Skip(f"onnxruntime's CPU session would take about {gib(whole)} for {gib(mf.weight_bytes)} of weights "
+        raise Skip(f"onnxruntime's CPU session would take about {format_bytes(whole)} for "
+                   f"{format_bytes(mf.weight_bytes)} of weights "
                    "(it keeps a float32 copy of half-precision weights), and even run in pieces one node's weights "
-                   f"take {gib(largest)}, more than the {gib(limits.memory)} allowed (--memory-limit GB)")
-    why = (f"--piece-limit {gib(limits.piece)}" if limits.piece is not None and whole > limits.piece
-           else f"the {gib(limits.memory)} allowed, --memory-limit")
-    how = (f"run in {len(pieces)} pieces, one session each, the largest about {gib(largest)}: one session would "
-           f"take about {gib(whole)}, more than {why}")
+                   f"take {format_bytes(largest)}, more than the {format_bytes(limits.memory)} allowed "
+                   "(--memory-limit GB)")
+    why = (f"--piece-limit {format_bytes(limits.piece)}" if limits.piece is not None and whole > limits.piece
+           else f"the {format_bytes(limits.memory)} allowed, --memory-limit")
+    how = (f"run in {len(pieces)} pieces, one session each, the largest about {format_bytes(largest)}: one "
+           f"session would take about {format_bytes(whole)}, more than {why}")
     return StreamedRunner(model, folder, pieces, lambda data, where: open_session(data, where, provider), name), how
 
 
