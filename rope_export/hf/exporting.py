@@ -107,6 +107,10 @@ def _chain(exc: BaseException) -> list[BaseException]:
 _NO_FUNCTION = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>")
 _STATIC_SEQ = re.compile(r"inferred a static shape of (\d+) for dimension inputs\['input_ids'\]\.shape\[1\]")
 _DATA_DEPENDENT = "GuardOnDataDependentSymNode"
+# torch.export's "Constraints violated (past)! ... Not all values of past = L['past'][0].size()[2] in
+# the specified range past <= 1048576 satisfy the generated guard L['past'][0].size()[2] <= 3"
+_CONSTRAINED = re.compile(r"Constraints violated \((\w+)\)!.*?Not all values of \w+ = (\S+) in the specified range"
+                          r".*? satisfy the generated guard ([^\n]+)", re.S)
 
 
 def _state_layers(model, layout: CacheLayout) -> str:
@@ -124,6 +128,13 @@ def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError
     if missing:
         return HFExportError(f"exporting {type(model).__name__} failed: torch.onnx cannot translate "
                              f"{', '.join(missing)} (no ONNX function is registered for it)")
+    constrained = _CONSTRAINED.search(text)
+    if constrained:  # found before torch's own attempt to refine the shapes fails on the way out
+        dim, expression, guard = constrained.groups()
+        return HFExportError(
+            f"exporting {type(model).__name__} failed: while tracing, its code restricts the dynamic dimension "
+            f"{dim!r} to {guard.replace(expression, dim).strip()} (torch.export's guard), so no file could serve "
+            f"every {dim}")
     static = _STATIC_SEQ.search(text)
     if static:
         where = f" in its recurrent layers {_state_layers(model, layout)}" if layout.has_states else ""

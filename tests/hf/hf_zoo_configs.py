@@ -155,7 +155,7 @@ gemma4_unified_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt_neox gpt_neo
 granite_swa granitemoe granitemoe_swa granitemoehybrid granitemoeshared helium hrm_text hunyuan_v1_dense
 hunyuan_v1_moe hy_v3 hy_v4 hyperclovax inkling2_text internlm3 iquestcoder jais2 jamba jetmoe kolibri1 laguna lfm2
 lfm2_moe lfm3 llama llama4_text longcat_flash mellum mimo_v2_flash minicpm3 minimax minimax_m2 minimax_m3_vl_text
-ministral ministral3 mistral mixtral modernbert-decoder moshi nanochat nemotron nemotron_h olmo olmo2 olmo3
+ministral ministral3 mistral mixtral modernbert-decoder moshi nanochat nemotron olmo olmo2 olmo3
 olmo_hybrid olmoe persimmon phi phi3 phi4_multimodal phimoe qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text
 qwen3_moe qwen3_next qwen4_exp_text recurrent_gemma seed_oss smollm3 solar_open stablelm starcoder2 vaultgemma youtu
 zamba2 zaya
@@ -176,4 +176,6 @@ NOT_IN_ZOO = {
     "roformer": "an encoder (RoFormerForCausalLM is its decoder head for seq2seq), no causal KV cache",
     "blt": "byte latent transformer: local encoder/decoder and patcher configs a tiny config does not reach in 5 min",
     "dots3_note_text": "its config keeps heads per layer (heterogeneity config); the generic shrink cannot set them",
+    "nemotron_h": "no RoPE: its modeling file defines apply_rotary_pos_emb but its attention never calls it "
+                  "(0 rotations in an eager forward)",
 }

@@ -31,7 +31,7 @@ def render(results: dict[str, dict]) -> str:
     lines = [
         BEGIN,
         f"{len(results)} model types: {counts['pass']} export with default flags and match transformers, "
-        f"{counts['refused']} are refused with the reason, {counts['fail']} are expected failures.",
+        f"{counts['refused']} refused with the reason, {counts['fail']} expected to fail (reason given).",
         "",
         "| model type | result | rotations = rotary nodes | how | max error / reason |",
         "|---|---|---|---|---|",
