@@ -47,7 +47,7 @@ def test_unavailable_reason_is_one_line():
 @needs_library
 def test_cpu_tensors_are_refused_with_the_fix():
     x = torch.randn(1, 2, 3, 8)
-    with pytest.raises(ValueError, match="the CUDA kernels take CUDA tensors .* picks the CPU twin for CPU"):
+    with pytest.raises(ValueError, match="the CUDA kernels take CUDA tensors .* CPU twin: rope_export.plugin.run"):
         cuda.rotary_embedding(x, torch.ones(3, 4), torch.ones(3, 4))
 
 

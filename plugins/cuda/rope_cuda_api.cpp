@@ -8,19 +8,10 @@
 #include <cstring>
 #include <string>
 
+using rope::report;
+
 namespace
 {
-
-int32_t report(std::string const& msg, char* err, int64_t err_len)
-{
-    if (err != nullptr && err_len > 0)
-    {
-        size_t const n = std::min(msg.size(), static_cast<size_t>(err_len - 1));
-        std::memcpy(err, msg.data(), n);
-        err[n] = '\0';
-    }
-    return 1;
-}
 
 // Arguments -> problem, refusing what only the twin supports and devices without a kernel image.
 bool prepare(RopeTwinArgs const* a, rope::Problem& p, std::string& err)

@@ -1,5 +1,8 @@
 #include "rope_args.h"
 
+#include <algorithm>
+#include <cstring>
+
 namespace rope
 {
 Dims to_dims(int64_t const* d, int32_t rank)
@@ -16,6 +19,17 @@ Dims to_dims(int64_t const* d, int32_t rank)
 bool bad_rank(int32_t rank)
 {
     return rank < 0 || rank > kMaxRank;
+}
+
+int32_t report(std::string const& msg, char* err, int64_t err_len)
+{
+    if (err != nullptr && err_len > 0)
+    {
+        size_t const n = std::min(msg.size(), static_cast<size_t>(err_len - 1));
+        std::memcpy(err, msg.data(), n);
+        err[n] = '\0';
+    }
+    return 1;
 }
 
 namespace

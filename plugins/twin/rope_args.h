@@ -22,4 +22,7 @@ bool problem_from_args(RopeTwinArgs const& a, Problem& out, std::string& err);
 // The plan as the C ABI reports it.
 RopeTwinPlan plan_to_c(Plan const& l);
 
+// The C ABI's error return: ``msg`` into the caller's buffer (truncated, NUL-terminated), then 1.
+int32_t report(std::string const& msg, char* err, int64_t err_len);
+
 } // namespace rope

@@ -12,19 +12,10 @@
 #include <string>
 #include <vector>
 
+using rope::report;
+
 namespace
 {
-
-int32_t report(std::string const& msg, char* err, int64_t err_len)
-{
-    if (err != nullptr && err_len > 0)
-    {
-        size_t const n = std::min(msg.size(), static_cast<size_t>(err_len - 1));
-        std::memcpy(err, msg.data(), n);
-        err[n] = '\0';
-    }
-    return 1;
-}
 
 // A shape array is needed as soon as its rank is positive.
 bool missing_dims(int64_t const* d, int32_t rank)
