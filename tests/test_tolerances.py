@@ -74,3 +74,16 @@ def test_allclose_accepts_torch_tensors_and_rejects_nan():
     assert tol.allclose(a, a.clone())
     assert not tol.allclose(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
     assert tol.allclose(a.half().float(), a)
+
+
+def test_the_absolute_part_follows_an_output_whose_rms_is_above_one():
+    tol = tolerance("block", "float16")
+    small = np.full(8, 0.5)
+    assert tol.at_scale_of(small) == tol  # order-1 outputs keep it
+    logits = np.array([4.0, -4.0, 4.0, -4.0, 0.01, np.inf])  # RMS of the finite values: sqrt(12.8)
+    scaled = tol.at_scale_of(logits)
+    assert scaled.rtol == tol.rtol and scaled.atol == pytest.approx(tol.atol * np.sqrt(64.0001 / 5))
+    near_zero = logits[4]
+    assert not tol.allclose(near_zero + 2.5 * tol.atol, near_zero)
+    assert scaled.allclose(near_zero + 2.5 * tol.atol, near_zero)  # a few ulps of the output's scale
+    assert not scaled.allclose(near_zero + 4 * tol.atol, near_zero)

@@ -26,7 +26,9 @@ class OutputStats:
 
 
 def compare_output(name: str, actual, expected, tol: Tolerance) -> OutputStats:
-    """Error statistics; relative error is |a-b| / (|b| + atol) so near-zero values do not explode."""
+    """Error statistics; relative error is |a-b| / (|b| + atol) so near-zero values do not explode.
+
+    ``tol`` is for outputs of order 1; it is applied at the scale of ``expected`` (``Tolerance.at_scale_of``)."""
     a, b = np.asarray(actual), np.asarray(expected)
     if a.shape != b.shape:
         inf = float("inf")
@@ -36,6 +38,7 @@ def compare_output(name: str, actual, expected, tol: Tolerance) -> OutputStats:
     same_specials = bool(np.array_equal(finite_a, finite_b)) and bool(
         np.array_equal(a[~finite_a], b[~finite_b], equal_nan=True))
     a_f, b_f = np.where(finite_a, a, 0.0), np.where(finite_b, b, 0.0)
+    tol = tol.at_scale_of(b)
     abs_err = np.abs(a_f - b_f)
     rel_err = abs_err / (np.abs(b_f) + tol.atol)
     return OutputStats(

@@ -129,7 +129,8 @@ def report_markdown(report: CheckReport) -> str:
     lines = [
         f"# rope-export check: {report.model}",
         "",
-        f"{report.dtype}, {comparison}; tolerance atol={report.tolerance.atol:g}, rtol={report.tolerance.rtol:g}. "
+        f"{report.dtype}, {comparison}; tolerance atol={report.tolerance.atol:g} (times an output's RMS where "
+        f"above 1), rtol={report.tolerance.rtol:g}. "
         f"Result: **{'PASS' if report.passed else 'FAIL'}**.",
         "",
         f"Inputs: {report.inputs}. Cases: {', '.join(report.cases)}.",
