@@ -272,8 +272,8 @@ def read_metadata(model: onnx.ModelProto) -> dict:
              if p.key.startswith(METADATA_PREFIX)}
     if props.get("source") == "transformers":
         raise ExportError(
-            "the file was exported from a transformers model (`export --hf`); check rebuilds preset blocks "
-            "only, so compare it with transformers itself (see tests/test_hf.py for the recipe)"
+            "the file was exported from a transformers model (`export --hf`): read its settings with "
+            "rope_export.hf.read_hf_metadata (`rope-export check` reads either kind)"
         )
     if "preset" not in props:
         raise ExportError("the file has no rope_export metadata; was it written by `rope-export export`?")
