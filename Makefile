@@ -51,8 +51,12 @@ demo: setup plugin
 lint: setup
 	$(VENV)/bin/ruff check rope_export tests scripts models
 
+# Two pytest workers (pytest-xdist): CI has 2 cores, and the suite is mostly one-threaded torch and
+# onnxruntime on tiny models (pytest took 15 min in one process here, 8.5 min in two). Each worker
+# is one more Python process with torch loaded; TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: lint plugin trt-lean
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # The tests marked slow, left out of `make test` (minutes; the real-size ones take ~3 GB of memory and
 # ~8 GB of free disk in $$TMPDIR): a model past protobuf's 2 GB limit exported, lowered to every target

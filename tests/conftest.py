@@ -24,3 +24,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "rope-export"))
 # The tests use small tensors only: on a shared 2-core machine a second intra-op thread costs
 # milliseconds of synchronisation per op and gains nothing.
 torch.set_num_threads(1)
+
+# rich sizes its tables and wraps its log lines to the terminal; with no terminal (CI, pytest-xdist
+# workers) that width varies. One fixed width keeps what the tests read the same everywhere.
+os.environ["COLUMNS"] = "200"

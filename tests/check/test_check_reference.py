@@ -28,7 +28,7 @@ def files(tmp_path_factory):
 def test_fused_file_matches_the_plain_export_it_came_from(files, capsys):
     assert cli.main(["check", str(files / "fused.onnx"), "--reference", str(files / "plain.onnx"),
                      "--runners", RUNNERS, "--report", str(files / "report")]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the title wraps where the temp path is long
     assert "against onnxruntime on" in out and "plain.onnx" in out
     report = check(files / "fused.onnx", tuple(RUNNERS.split(",")), reference=files / "plain.onnx")
     assert report.independent and all(r.status == "pass" for r in report.runners)
