@@ -458,7 +458,8 @@ def run(
     """Run the kernels' code on the CPU twin; same arguments as rope_export.reference.rotary_embedding.
 
     CPU tensors only: CUDA tensors run on the CUDA kernels themselves through
-    ``rope_export.cuda.rotary_embedding`` (same arguments and result). Returns the output and the
+    ``rope_export.cuda.rotary_embedding`` (same arguments and result; ``rope_export.kernels.run``
+    picks by device). Returns the output and the
     launch plan (vector or scalar path, grid). ``force_scalar`` takes the scalar path where the
     vector one could run; ``blocks=(begin, end)`` (CPU twin only) runs only those grid blocks along
     x (tests of huge shapes); ``out`` is written in place when given. Non-contiguous tensors are

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from rope_export import cuda, plugin, reference
+from rope_export import cuda, kernels, plugin, reference
 from rope_export.plugin import plugin_dir
 from rope_export.tolerances import tolerance
 
@@ -101,10 +101,10 @@ def test_positions_outside_the_cache_pass_the_token_through_bit_for_bit(dtype, c
                            original.view(torch.int16 if dtype != torch.float32 else torch.int32))
 
 
-def test_the_cuda_binding_and_the_twin_agree_and_the_twin_names_the_cuda_one():
+def test_the_binding_picks_the_backend_by_device():
     cpu, dev, attrs = _case(torch.float16, torch.float32)
-    on_gpu, gpu_plan = cuda.rotary_embedding(*dev, **attrs)
-    on_cpu, cpu_plan = plugin.run(*cpu, **attrs)
+    on_gpu, gpu_plan = kernels.run(*dev, **attrs)  # CUDA tensors: the CUDA kernels
+    on_cpu, cpu_plan = kernels.run(*cpu, **attrs)  # CPU tensors: the twin
     torch.cuda.synchronize()
     assert on_gpu.device.type == "cuda" and on_cpu.device.type == "cpu" and gpu_plan == cpu_plan
     assert tolerance("op", "float16").allclose(on_gpu.cpu().float(), on_cpu.float())

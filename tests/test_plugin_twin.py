@@ -216,6 +216,17 @@ def test_tensors_off_the_cpu_are_refused_with_the_binding_that_takes_them():
         plugin.run(x, cos, sin)
 
 
+def test_kernels_run_takes_cpu_tensors_to_the_twin():
+    from rope_export import kernels
+
+    x, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(16, 4), torch.randn(16, 4)
+    pos = torch.tensor([[0, 1, 2, 3, 15], [4, 5, 6, 7, 16]])  # 16: outside the cache, passed through
+    got, plan = kernels.run(x, cos, sin, pos)
+    want, want_plan = plugin.run(x, cos, sin, pos)
+    assert torch.equal(got, want) and plan == want_plan
+    assert torch.equal(got[1, :, 4], x[1, :, 4]) and not torch.equal(got[0, :, 1], x[0, :, 1])
+
+
 def test_empty_tensors_are_fine():
     x = torch.randn(0, 3, 16)
     out, plan = plugin.run(x, torch.randn(0, 3, 4), torch.randn(0, 3, 4), num_heads=2)
