@@ -45,7 +45,9 @@ def register(subparsers) -> None:
                                                        ".json); default: the config recorded in the file")
     parser.add_argument("--weights", metavar="DIR", help="the transformers weights (default: recorded in the file, "
                                                          "else random weights from --seed)")
-    parser.add_argument("--seed", type=_positive, help="seed of random transformers weights (default: recorded, or 0)")
+    parser.add_argument("--seed", type=_positive,
+                        help="seed of the random weights, drawn as `export --hf` draws them (not as a plain "
+                             "from_config does: check such a file with --weights); default: recorded, or 0")
     parser.add_argument("--inputs", action="append", metavar="FEEDS",
                         help="your own inputs: feeds.npz (one case), or a data-loader script loader.py[:load_data] "
                              "yielding feed dicts; repeatable")
