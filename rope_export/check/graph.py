@@ -1,8 +1,8 @@
 """Rotary nodes in a graph, and each one cut out with what computes its caches (a "slice").
 
-``rotary_kind`` is the one place that recognises a node carrying the rotation: ours, its TensorRT
-plugin form (old and new op names, recognised by ``lower_trt_plugin.is_trt_plugin_node``),
-the standard ``ai.onnx`` op and onnxruntime's contrib op.
+``rotary_kind`` names a node carrying the rotation as check's runners know it (ours, its TensorRT
+plugin form, the standard op as "onnx", onnxruntime's contrib op as "ort"); the recognising is
+``detect.census.node_rotary_kind``'s, the one classifier of the package.
 
 A slice is the rotary node plus every node its cos/sin/position inputs come from, back to graph
 inputs and initializers; its X becomes an input. Run alone it rotates random X at any positions,
@@ -19,8 +19,7 @@ import onnx
 from onnx import external_data_helper, helper
 
 from rope_export.check.model_file import FLOAT_ELEM_TYPES, ModelFile, TensorSpec, tensor_nbytes
-from rope_export.contract import DOMAIN, OP_TYPE
-from rope_export.passes.lower_trt_plugin import is_trt_plugin_node
+from rope_export.detect.census import node_rotary_kind
 
 # positions of X, cos, sin, position_ids among the node's inputs, per kind
 INPUT_ORDER = {"rope_export": (0, 1, 2, 3), "trt-plugin": (0, 1, 2, 3), "onnx": (0, 1, 2, 3), "ort": (0, 2, 3, 1)}
@@ -36,17 +35,13 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
+_TARGET_NAMES = {"ai.onnx": "onnx", "com.microsoft": "ort"}  # check names the kinds as lower's targets
+
+
 def rotary_kind(node: onnx.NodeProto) -> str | None:
     """Which rotary op ``node`` is: "rope_export", "trt-plugin", "onnx", "ort", or None."""
-    if node.domain == DOMAIN and node.op_type == OP_TYPE:
-        return "rope_export"
-    if is_trt_plugin_node(node.domain, node.op_type, _attr(node, "plugin_namespace", b"")):
-        return "trt-plugin"
-    if node.op_type == OP_TYPE and node.domain in ("", "ai.onnx"):
-        return "onnx"
-    if node.op_type == OP_TYPE and node.domain == "com.microsoft":
-        return "ort"
-    return None
+    kind = node_rotary_kind(node)
+    return _TARGET_NAMES.get(kind, kind)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def rotary_nodes(model) -> list[RotaryNode]:
     onnx.ModelProto or an onnx_ir.Model)."""
     found = []
     for node in _all_nodes(model):
-        kind = _rotary_kind(node)
+        kind = node_rotary_kind(node)
         if kind is not None:
             path = module_path_of(node)
             found.append(RotaryNode(node.name, kind, path, layer_of(path)))
@@ -151,7 +151,9 @@ def _all_nodes(model):
         yield from function.node
 
 
-def _rotary_kind(node) -> str | None:
+def node_rotary_kind(node) -> str | None:
+    """Which rotary op a node (onnx.NodeProto or onnx_ir.Node) is: "rope_export", "trt-plugin", "ai.onnx",
+    "com.microsoft", or None. The one classifier; ``check`` names the last two by their lowering targets."""
     if isinstance(node, ir.Node):
         attr = node.attributes.get("plugin_namespace")
         namespace = attr.as_string() if attr is not None and attr.type == ir.AttributeType.STRING else None
