@@ -1,14 +1,16 @@
 # `make demo` and `make test` each work on a fresh clone: they create the virtualenv, install the
-# package (torch pinned to the CPU build that lies on these machines' disk), build the plugin's
-# CPU twin, then run.
+# package at the versions of the committed lock (torch: the CPU build that lies on these machines'
+# disk), build the plugin's CPU twin, then run. `make lock` re-resolves the lock from the newest
+# releases; `make test-latest` runs the suite on the newest releases without it (the drift lane);
+# `make test-oldest` on the lower bounds pyproject.toml declares.
 VENV ?= .venv
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-# TensorRT: the headers the plugin libraries are built against (.ci/run points both at
-# ../shared/third_party when it is there; empty: no TensorRT plugins, their tests skip), and TensorRT's
+# TensorRT: the headers the plugin libraries are built against (include/ of a fetched NVIDIA/TensorRT
+# checkout, outside this repository, see the README; empty: no TensorRT plugins, their tests skip), and TensorRT's
 # lean runtime from pip (runs without a GPU) for the tests that load the libraries into it: 11.x into
 # the venv (extra trt-lean), 10.x into its own folder (same module name).
 TENSORRT_INCLUDE_DIR ?=
@@ -19,13 +21,15 @@ TRT_LEAN10_DIR := build/trt-lean-10
 export TENSORRT_INCLUDE_DIR
 export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
 
-.PHONY: setup plugin trt-lean demo test test-slow hf-zoo lint clean
+.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-zoo-version lint clean
 
-$(STAMP): pyproject.toml
+# Every install reads the lock (requirements/lock.txt): a fresh clone next month installs what passed
+# today. The build backend comes from the lock too (--no-build-isolation), so nothing unpinned is installed.
+$(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt "$(TORCH_SPEC)" setuptools
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev]'
 	touch $@
 
 setup: $(STAMP)
@@ -36,11 +40,12 @@ plugin: setup
 	$(PY) -m rope_export.cli build-plugin --werror
 
 $(VENV)/.trt-lean: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,trt-lean]'
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,trt-lean]'
 	touch $@
 
-$(TRT_LEAN10_DIR)/.installed:
-	$(PY) -m pip install --quiet --no-warn-script-location --target $(TRT_LEAN10_DIR) '$(TRT_LEAN10_SPEC)'
+$(TRT_LEAN10_DIR)/.installed: $(STAMP)
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-warn-script-location \
+		--target $(TRT_LEAN10_DIR) '$(TRT_LEAN10_SPEC)'
 	touch $@
 
 trt-lean: setup $(if $(TENSORRT_INCLUDE_DIR),$(VENV)/.trt-lean) $(if $(TENSORRT10_INCLUDE_DIR),$(TRT_LEAN10_DIR)/.installed)
@@ -65,11 +70,55 @@ test: lint plugin trt-lean
 test-slow: setup plugin
 	$(PY) -m pytest -q -m slow --durations=0
 
-# Re-record every zoo type (tests/hf/hf_zoo_results.json) and re-render the README's zoo table.
+# The lock: resolve the newest releases with pip in a throwaway virtualenv, write requirements/lock.txt
+# and print what changed. Then run `make test` (it reinstalls from the new lock) before committing it.
+lock:
+	TORCH_SPEC='$(TORCH_SPEC)' TRT_LEAN10_SPEC='$(TRT_LEAN10_SPEC)' $(PYTHON) scripts/versions.py lock
+
+# The drift lane (not part of `make test`): the newest release of everything, no lock, in its own
+# virtualenv; the suite with the quick zoo, then a table of what differs from the lock and what broke.
+# Run it weekly (transformers releases about every week) and before `make lock`.
+LATEST_VENV ?= .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools
+	$(LATEST_VENV)/bin/python -m pip install --quiet --no-build-isolation -e '.[dev]'
+	$(LATEST_VENV)/bin/python -m rope_export.cli build-plugin
+	mkdir -p build; status=0; ROPE_EXPORT_NO_LOCK=1 $(LATEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --junitxml build/latest-junit.xml \
+		|| status=$$?; $(LATEST_VENV)/bin/python scripts/versions.py drift build/latest-junit.xml; exit $$status
+
+# The lower bounds pyproject.toml declares (requirements/oldest.txt, the oldest versions the suite was
+# shown to pass on), in their own virtualenv; the suite without the zoo, whose records hold one
+# transformers version's results (the README's version table has the zoo per version).
+OLDEST_VENV ?= .venv-oldest
+test-oldest:
+	rm -rf $(OLDEST_VENV) && $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint requirements/oldest.txt "$(TORCH_SPEC)" setuptools
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint requirements/oldest.txt --no-build-isolation -e '.[dev]'
+	$(OLDEST_VENV)/bin/python -m rope_export.cli build-plugin
+	ROPE_EXPORT_NO_LOCK=1 $(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/hf/test_hf_zoo.py
+
+# Re-record every zoo type (tests/hf/hf_zoo_results.json) and re-render the README's zoo table, and the
+# locked transformers' row of the version table.
 hf-zoo: setup plugin
 	rm -f build/hf_zoo.jsonl && mkdir -p build
 	HF_ZOO_RECORD=build/hf_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_zoo.py || true
 	$(PY) tests/hf/hf_zoo_table.py build/hf_zoo.jsonl
+	$(PY) tests/hf/hf_zoo_versions.py build/hf_zoo.jsonl "$$($(PY) -c 'import transformers; print(transformers.__version__)')" whole
+
+# The quick zoo (make test's third of it) on another transformers release, for the README's version
+# table: make hf-zoo-version TRANSFORMERS=5.0.0. No lock (pip picks what that release needs), own venv.
+TRANSFORMERS ?=
+TF_VENV ?= .venv-transformers
+hf-zoo-version: setup plugin
+	@test -n "$(TRANSFORMERS)" || { echo "give the release: make hf-zoo-version TRANSFORMERS=X.Y.Z"; exit 2; }
+	rm -rf $(TF_VENV) && $(PYTHON) -m venv $(TF_VENV)
+	$(TF_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools
+	$(TF_VENV)/bin/python -m pip install --quiet --no-build-isolation -e '.[dev]' 'transformers==$(TRANSFORMERS)'
+	rm -f build/hf_zoo-$(TRANSFORMERS).jsonl
+	HF_ZOO_RECORD=build/hf_zoo-$(TRANSFORMERS).jsonl $(TF_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) \
+		tests/hf/test_hf_zoo.py -k test_zoo_type || true
+	$(PY) tests/hf/hf_zoo_versions.py build/hf_zoo-$(TRANSFORMERS).jsonl $(TRANSFORMERS) quick
 
 clean:
-	rm -rf $(VENV) build out .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LATEST_VENV) $(OLDEST_VENV) $(TF_VENV) build out .pytest_cache .ruff_cache .hypothesis
