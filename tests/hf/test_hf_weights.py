@@ -97,6 +97,9 @@ def test_a_save_pretrained_folder_exports_its_own_weights(tmp_path, capsys):
     assert meta["hf_weights"] == str(folder)  # check rebuilds from these weights, not from a seed
     got, want = file_logits(tmp_path / "m.onnx"), reference_logits(folder).numpy()
     assert TOL.allclose(got, want), f"max error {np.abs(got - want).max():.3g}"
+    # and check compares the file with those trained weights (not with a seed's)
+    assert cli.main(["check", str(tmp_path / "m.onnx"), "--runners", "onnxruntime-cpu", "--no-sweep"]) == 0
+    assert f"weights{folder})" in "".join(capsys.readouterr().out.split())  # rich may fold the long path
 
 
 # -- (b) the forms save_pretrained writes -----------------------------------------------------
