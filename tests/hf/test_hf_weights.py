@@ -148,6 +148,36 @@ def test_every_checkpoint_form_loads_by_rope_exports_own_reader(tmp_path, form):
     assert torch.equal(got, reference_logits(folder))
 
 
+def test_a_bin_checkpoint_is_copied_into_the_parameters_without_a_float32_copy(tmp_path):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.float32 = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() > 64:  # > inv_freq
+                    self.float32.append(str(func))
+            return out
+
+    torch.manual_seed(5)
+    AUTO.from_config(llama(), attn_implementation="eager", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    as_bin(tmp_path, shards=2)
+    with Made() as made:
+        model, report = checkpoints.build_causal_lm(AUTO, llama(), torch.float16, weights=tmp_path)
+    assert report.loader == "pytorch" and report.converted == {"bf16->fp16": report.tensors}
+    assert made.float32 == [], f"a float32 tensor was made while loading: {made.float32[:3]}"
+    stored = {}
+    for shard in sorted(tmp_path.glob("*.bin")):
+        stored.update(torch.load(shard, weights_only=True))
+    params = dict(model.named_parameters())
+    for name, tensor in stored.items():
+        assert torch.equal(params[name], tensor.to(torch.float16)), name
+
+
 def test_what_transformers_drops_on_loading_is_accepted(tmp_path):
     """A stored rotary inv_freq (a non-persistent buffer) is skipped; a checkpoint saved from the base model
     (no ``model.`` prefix) is placed by transformers' renaming, as from_pretrained places it."""
