@@ -25,7 +25,8 @@ def register_hf_arguments(parser) -> None:
                             "has a KV cache (prefill: past 0)")
     group.add_argument("--weights", metavar="DIR", default=None,
                        help="local folder with the checkpoint save_pretrained wrote (safetensors or .bin, sharded or "
-                            "not; default: the --hf folder's own); no hub access")
+                            "not; default: the one in the --hf folder, or in the folder holding the .json); no hub "
+                            "access")
     group.add_argument("--random-weights", action="store_true", default=None,
                        help="export random weights (--seed) even where the --hf folder holds a checkpoint: not a "
                             "trained model (a folder with a config only always gives random weights)")
