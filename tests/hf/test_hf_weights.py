@@ -135,7 +135,7 @@ def test_every_checkpoint_form_loads_by_rope_exports_own_reader(tmp_path, form):
     files = checkpoints.checkpoint_files(folder)
     assert (len(files) > 1) == ("sharded" in form) and {f.suffix for f in files} == {
         ".bin" if ".bin" in form else ".safetensors"}
-    assert weights_beside(folder) == folder
+    assert weights_beside(folder) == folder == weights_beside(folder / "config.json")  # a folder or its config.json
     config = hf.load_hf_config(folder)
     model, report = checkpoints.build_causal_lm(AUTO, config, torch.float16, weights=folder)
     # read straight into fp16 parameters, not through transformers' loader
