@@ -12,9 +12,13 @@
   tensor stored in ``dtype`` is read into the parameter's memory, another dtype (bf16 weights
   exported as fp16, or fp32 ones) is converted in chunks of ``CHUNK_BYTES``. Nothing goes through
   float32, no tensor exists twice, and plain reads (not a memory map) keep the page cache out of
-  the process's RSS. A checkpoint whose names or shapes do not match the model one to one
-  (renamed keys, fused experts, quantized weights) is loaded by transformers' ``from_pretrained``
-  instead, and ``LoadReport.loader`` says so.
+  the process's RSS. PyTorch ``pytorch_model.bin`` files (sharded or not) are memory-mapped one
+  file at a time and copied into the parameters (the mapped pages are the file's, dropped after it).
+  A checkpoint whose names or shapes do not match the model one to one (renamed keys, fused
+  experts, quantized weights) is loaded by transformers' ``from_pretrained`` instead, and
+  ``LoadReport.loader`` says so; what even transformers cannot place (tensors missing, unexpected
+  or of other shapes: the checkpoint of another model) is a ``CheckpointMismatchError`` naming
+  them, never a model with freshly initialized weights.
 
 transformers is imported by the caller (``rope_export.hf``); this module needs only torch.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +43,13 @@ from rope_export.steps import detail
 CHUNK_BYTES = 64 * 2**20  # conversion buffer for a tensor stored in another dtype
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+BIN_FILE = "pytorch_model.bin"
+# what save_pretrained writes, in transformers' order of preference (safetensors first)
+CHECKPOINT_FILES = (INDEX_FILE, SINGLE_FILE, BIN_INDEX_FILE, BIN_FILE)
+# weights in a form rope-export does not read (a folder holding only these is not "config only")
+OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+NAMED = 3  # tensors named per kind in a mismatch message
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -50,9 +62,13 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be read; the message names the file and the fix."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint that does not fit the config (tensors missing, unexpected or of other shapes)."""
+
+
 @dataclass
 class LoadReport:
-    """How the weights came in: ``loader`` is "random", "safetensors" (ours) or "transformers"."""
+    """How the weights came in: ``loader`` is "random", "safetensors" or "pytorch" (ours), or "transformers"."""
 
     loader: str
     files: list[str] = field(default_factory=list)
@@ -142,15 +158,80 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
         with default_dtype(dtype):  # as from_config: buffers such as GPT-J's sin/cos table come out the same
             model.init_weights()  # transformers' own initialization; also recomputes rotary buffers, re-ties
         return model.eval(), LoadReport("random")
+    plan = _without_ignored(model, plan)
     mismatch = _mismatch(model, plan)
     if mismatch:
         del model
         detail(progress, f"loading with transformers' from_pretrained ({mismatch})")
-        model = auto_class.from_pretrained(str(weights), config=config, local_files_only=True, **options)
+        model = _from_pretrained(auto_class, Path(weights), config, options)
         return model.eval(), LoadReport("transformers", reason=mismatch)
     materialize(model, dtype)
-    report = load_safetensors(model, plan, progress)
+    report = load_checkpoint(model, plan, progress)
     return model.eval(), report
+
+
+def _from_pretrained(auto_class, folder: Path, config, options: dict) -> nn.Module:
+    """transformers' loader, for a checkpoint ours cannot read name by name (renamed or fused keys): it
+    knows the renames; what even it cannot place is refused, never initialized at random."""
+    with _quiet_transformers():
+        try:
+            model, info = auto_class.from_pretrained(str(folder), config=config, local_files_only=True,
+                                                     output_loading_info=True, ignore_mismatched_sizes=True, **options)
+        except (RuntimeError, OSError) as exc:  # its conversion errors and unreadable files
+            raise CheckpointError(f"checkpoint {folder}: transformers cannot load it: {_first_line(exc)}") from None
+    misfit = describe_misfit(info)
+    if misfit:
+        raise CheckpointMismatchError(f"checkpoint {folder} does not fit the config: {misfit}; is it this model's "
+                                      "checkpoint?")
+    return model
+
+
+def describe_misfit(info: dict) -> str:
+    """from_pretrained's loading info as one clause ("" when every tensor found its place)."""
+
+    def names(keys: list[str]) -> str:
+        return ", ".join(keys[:NAMED]) + (", ..." if len(keys) > NAMED else "")
+
+    parts = []
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(info.get("mismatched_keys") or ())  # (name, checkpoint shape, model shape)
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) missing ({names(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected ({names(unexpected)})")
+    if mismatched:
+        shapes = "; ".join(f"{name} is {list(ckpt)} in the checkpoint, {list(want)} in the model"
+                           for name, ckpt, want in mismatched[:NAMED])
+        parts.append(f"{len(mismatched)} of other shapes ({shapes}{', ...' if len(mismatched) > NAMED else ''})")
+    return ", ".join(parts)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No load report (a table of every tensor) and no progress bar from from_pretrained: a checkpoint that
+    does not fit becomes one line of ours."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    # tensor_parallel too: transformers 5.24 checks its TP plan (and warns) when modeling_utils' level is >= WARNING
+    loggers = [logging.getLogger(f"transformers.{name}") for name in ("modeling_utils", "distributed.tensor_parallel")]
+    levels, bars = [logger.level for logger in loggers], hf_logging.is_progress_bar_enabled()
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 # -- safetensors --------------------------------------------------------------------------
@@ -200,31 +281,63 @@ def _numel(shape) -> int:
     return n
 
 
-def _checkpoint_plan(folder: Path) -> dict[str, _Entry]:
-    """Every tensor of the checkpoint folder (sharded or not), by name."""
-    if not folder.is_dir():
-        raise CheckpointError(f"--weights {folder}: not a folder (give the folder with the *.safetensors files)")
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index ({exc}); re-save with save_pretrained") from None
-        files = sorted(set(weight_map.values()))
-    elif (folder / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        found = sorted(p.name for p in folder.iterdir())[:8]
-        raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE} (found: "
-                              f"{', '.join(found) or 'nothing'}); save the model with save_pretrained (safetensors is "
-                              "its default)")
-    plan: dict[str, _Entry] = {}
-    for name in files:
+def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoint save_pretrained wrote in ``folder`` (every shard its index lists); [] if it holds none."""
+    folder = Path(folder)
+    for name in CHECKPOINT_FILES:
         path = folder / name
         if not path.is_file():
-            raise CheckpointError(f"{index} lists {name}, which is missing from {folder}")
-        plan.update(read_header(path))
+            continue
+        if not name.endswith(".json"):
+            return [path]
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{path}: not a checkpoint index ({exc}); re-save with save_pretrained") from None
+        for shard in files:
+            if not (folder / shard).is_file():
+                raise CheckpointError(f"{path} lists {shard}, which is missing from {folder}")
+        return [folder / shard for shard in files]
+    return []
+
+
+def other_weight_files(folder: str | os.PathLike) -> list[str]:
+    """Files of ``folder`` that look like weights in a form rope-export does not read (shards without their
+    index, consolidated.00.pth, model.gguf, ...)."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(OTHER_WEIGHT_SUFFIXES))
+
+
+def _checkpoint_plan(folder: Path) -> dict[str, _Entry]:
+    """Every tensor of the checkpoint folder (safetensors or PyTorch .bin, sharded or not), by name."""
+    if not folder.is_dir():
+        raise CheckpointError(f"--weights {folder}: not a folder (give the folder save_pretrained wrote)")
+    files = checkpoint_files(folder)
+    if not files:
+        found = sorted(p.name for p in folder.iterdir())[:8]
+        raise CheckpointError(f"{folder} has none of {', '.join(CHECKPOINT_FILES)} (found: "
+                              f"{', '.join(found) or 'nothing'}); save the model with save_pretrained")
+    plan: dict[str, _Entry] = {}
+    for path in files:
+        plan.update(read_header(path) if path.suffix == ".safetensors" else read_bin_header(path))
     return plan
+
+
+def _open_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch checkpoint's tensors, memory-mapped (nothing is read until a tensor is used)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - zip, pickle and mmap errors all mean the file is not one we can map
+        raise CheckpointError(f"{path}: not a PyTorch checkpoint rope-export can read ({_first_line(exc)}); "
+                              "re-save it with save_pretrained") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CheckpointError(f"{path}: not a state dict of tensors; re-save it with save_pretrained")
+    return state
+
+
+def read_bin_header(path: Path) -> dict[str, _Entry]:
+    """The tensors of one PyTorch .bin file (memory-mapped to list them; the data is read when loading)."""
+    return {name: _Entry(path, t.dtype, tuple(t.shape), -1, t.nbytes) for name, t in _open_bin(path).items()}
 
 
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -235,6 +348,16 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
             if buffer is not None and name not in module._non_persistent_buffers_set:
                 targets[f"{module_name}.{name}" if module_name else name] = buffer
     return targets
+
+
+def _without_ignored(model: nn.Module, plan: dict[str, _Entry]) -> dict[str, _Entry]:
+    """The plan without the tensors transformers drops on loading: non-persistent buffers that old checkpoints
+    stored (the rotary ``inv_freq``) and names matching the class's ``_keys_to_ignore_on_load_unexpected``."""
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    volatile = {f"{m}.{b}" if m else b for m, module in model.named_modules(remove_duplicate=False)
+                for b in module._non_persistent_buffers_set}
+    return {name: entry for name, entry in plan.items()
+            if name not in volatile and not any(p.search(name) for p in patterns)}
 
 
 def _mismatch(model: nn.Module, plan: dict[str, _Entry]) -> str:
@@ -253,33 +376,40 @@ def _mismatch(model: nn.Module, plan: dict[str, _Entry]) -> str:
     return ""
 
 
-def load_safetensors(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLike,
-                     progress: Callable[[str], None] | None = None) -> LoadReport:
+def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLike,
+                    progress: Callable[[str], None] | None = None) -> LoadReport:
     """Read the checkpoint's tensors into ``model``'s allocated parameters and buffers, in their dtypes."""
     if not isinstance(plan, dict):
         plan = _checkpoint_plan(Path(plan))
     targets = _targets(model)
-    report = LoadReport("safetensors", files=sorted({str(e.file) for e in plan.values()}))
+    pytorch = any(e.start < 0 for e in plan.values())
+    report = LoadReport("pytorch" if pytorch else "safetensors", files=sorted({str(e.file) for e in plan.values()}))
     total = sum(e.length for e in plan.values())
     buffer = bytearray()
     by_file: dict[Path, list[tuple[str, _Entry]]] = {}
     for name, entry in plan.items():
         by_file.setdefault(entry.file, []).append((name, entry))
     for path, entries in by_file.items():
-        with open(path, "rb", buffering=0) as f:
+        # a .bin is mapped one file at a time: its pages are the file's, unmapped once it is copied
+        mapped = _open_bin(path) if entries[0][1].start < 0 else None
+        with open(path, "rb", buffering=0) if mapped is None else contextlib.nullcontext() as f:
             for name, entry in sorted(entries, key=lambda item: item[1].start):
                 target = targets[name]
                 with torch.no_grad():
-                    if target.dtype == entry.dtype:
+                    if mapped is not None:
+                        target.copy_(mapped[name])  # converted elementwise into the parameter, no temporary
+                    elif target.dtype == entry.dtype:
                         _read_into(f, entry.start, _bytes_of(target), path)
                     else:
                         buffer = _read_converted(f, entry, target, buffer, path)
+                    if target.dtype != entry.dtype:
                         key = f"{_short(entry.dtype)}->{_short(target.dtype)}"
                         report.converted[key] = report.converted.get(key, 0) + 1
                 report.tensors += 1
                 report.bytes_read += entry.length
                 detail(progress, f"loading weights: {report.tensors} of {len(plan)} tensors, "
                                  f"{format_bytes(report.bytes_read)} of {format_bytes(total)}")
+        del mapped
     return report
 
 

@@ -168,7 +168,7 @@ def test_broken_checkpoints_are_named(tmp_path):
     config = CONFIGS["llama"]()
     with pytest.raises(CheckpointError, match="not a folder"):
         build_causal_lm(AUTO, config, torch.float16, weights=tmp_path / "missing")
-    with pytest.raises(CheckpointError, match="has neither model.safetensors nor"):
+    with pytest.raises(CheckpointError, match="has none of model.safetensors.index.json, model.safetensors, pytorch"):
         build_causal_lm(AUTO, config, torch.float16, weights=tmp_path)
     torch.manual_seed(0)
     AUTO.from_config(config, attn_implementation="eager").save_pretrained(tmp_path)

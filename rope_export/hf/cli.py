@@ -12,18 +12,27 @@ from rope_export import contract
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.exporting import FALLBACKS, export_hf
 from rope_export.hf.families import HF_FAMILIES
-from rope_export.hf.loading import build_hf_model
+from rope_export.hf.loading import build_hf_model, weights_beside
 
 
 def register_hf_arguments(parser) -> None:
-    """Add ``--hf CONFIG_DIR_OR_JSON``, ``--weights DIR``, ``--layer N``, ``--hf-family``, ``--hf-fallback``."""
+    """Add ``--hf CONFIG_DIR_OR_JSON``, ``--weights DIR``, ``--random-weights``, ``--allow-no-rope``, ``--layer N``,
+    ``--hf-family``, ``--hf-fallback``."""
     group = parser.add_argument_group("Hugging Face transformers models (instead of --preset)")
     group.add_argument("--hf", metavar="CONFIG_DIR_OR_JSON", default=None,
                        help="export a transformers causal LM built from this local config (folder or .json); any "
                             "RoPE model type: its rotary function is found by code and verified. The file always "
                             "has a KV cache (prefill: past 0)")
     group.add_argument("--weights", metavar="DIR", default=None,
-                       help="local folder with the model's weights (default: random weights, --seed); no hub access")
+                       help="local folder with the checkpoint save_pretrained wrote (safetensors or .bin, sharded or "
+                            "not; default: the one in the --hf folder, or in the folder holding the .json); no hub "
+                            "access")
+    group.add_argument("--random-weights", action="store_true", default=None,
+                       help="export random weights (--seed) even where the --hf folder holds a checkpoint: not a "
+                            "trained model (a folder with a config only always gives random weights)")
+    group.add_argument("--allow-no-rope", action="store_true", default=None,
+                       help="write the file even when the model performs no rotary position embedding (a warning "
+                            "instead of the error)")
     group.add_argument("--layer", type=int, default=None,
                        help="export only this attention layer (hidden_states, position_ids, past_key, past_value)")
     group.add_argument("--hf-family", choices=sorted(HF_FAMILIES), default=None,
@@ -48,7 +57,8 @@ def register(subparsers) -> None:
 
 def wants_hf_export(args) -> bool:
     """Whether ``export`` was called with any of the --hf options (then ``run_hf_export`` handles it)."""
-    return any(getattr(args, name, None) is not None for name in ("hf", "weights", "layer", "hf_family"))
+    return any(getattr(args, name, None) is not None
+               for name in ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family"))
 
 
 def run_hf_export(args) -> int:
@@ -64,7 +74,10 @@ def run_hf_export(args) -> int:
     except ImportError:
         raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
     if args.hf is None:
-        raise HFExportError("--weights, --layer and --hf-family need --hf CONFIG_DIR_OR_JSON")
+        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer and --hf-family need --hf "
+                            "CONFIG_DIR_OR_JSON")
+    if args.random_weights and args.weights is not None:
+        raise HFExportError("--random-weights and --weights exclude each other: give one")
     for option, default in (("cache_len", None), ("compare_decomposed", False), ("module", None)):
         if getattr(args, option, default) not in (None, False):
             raise HFExportError(
@@ -72,21 +85,31 @@ def run_hf_export(args) -> int:
                 "the graph and the model is exported as it is"
             )
     _check_writable(Path(args.output))  # before the minutes of building and tracing
+    # the --hf folder's own checkpoint unless told otherwise: a folder with weights never exports random ones
+    weights = args.weights if args.weights is not None or args.random_weights else weights_beside(args.hf)
+    if weights is None:
+        why = "--random-weights" if args.random_weights else f"{args.hf} holds no checkpoint; give --weights DIR"
+        weights_line = f"random weights (seed {args.seed}): not a trained model ({why})"
+    else:
+        weights_line = f"weights from {weights}"
     console = Console()
     with cli_steps(console, f"rope-export export --hf: {args.output}", args.summary_json) as progress:
-        progress(f"building the model from {args.hf}" + (f" with weights from {args.weights}" if args.weights else
+        progress(f"building the model from {args.hf}" + (f" with weights from {weights}" if weights else
                                                           f" (random weights, seed {args.seed})"))
-        model = build_hf_model(args.hf, args.weights, dtype=args.dtype, seed=args.seed, progress=progress)
+        model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed, progress=progress)
         result = export_hf(model, args.output, layer=args.layer, family=args.hf_family, fallback=args.hf_fallback,
-                           allow_decomposed=getattr(args, "allow_decomposed", False), opset=args.opset,
-                           external=args.external_data, weights=args.weights, seed=args.seed, progress=progress,
+                           allow_decomposed=getattr(args, "allow_decomposed", False),
+                           allow_no_rope=bool(args.allow_no_rope), opset=args.opset, external=args.external_data,
+                           weights=None if weights is None else str(weights), seed=args.seed, progress=progress,
                            verbose=args.verbose)
         progress.add_files(output_files(args.output))
+    console.print(weights_line, soft_wrap=True, markup=False, highlight=False)  # the summary's first line
     summary = summarize(result.model)
     table = Table(title=f"{result.path} ({type(model).__name__}, {args.dtype})")
     table.add_column("what")
     table.add_column("value")
     table.add_row("model type", f"{model.config.model_type} ({result.family.notes or 'detected by code'})")
+    table.add_row("weights", weights_line)
     table.add_row("rotary hook", result.hook)
     table.add_row("rotations in eager transformers", str(result.rotations))
     table.add_row(f"{contract.DOMAIN}::{contract.OP_TYPE} nodes", str(summary["custom_nodes"]))

@@ -13,6 +13,7 @@ import onnx
 import torch
 
 from rope_export.detect import CountReport, RotationCensus, compare_with_file, count_rotations
+from rope_export.hf.errors import HFExportError
 
 
 def eager_rotations(module: torch.nn.Module, inputs: tuple) -> RotationCensus:
@@ -32,3 +33,15 @@ def count_and_compare(census: RotationCensus, onnx_model: onnx.ModelProto, *, al
         notes.append(str(warning.message).splitlines()[0])
         warnings.warn(warning.message, stacklevel=3)
     return report
+
+
+def refuse_no_rope(census: RotationCensus, what: str, *, allow_no_rope: bool, notes: list[str]) -> None:
+    """A model that rotates nothing (GPT-2, a NoPE layer) gives rope-export nothing to do: refused before it is
+    traced, so a plain export is not mistaken for a fused one; with ``allow_no_rope`` a warning and a note."""
+    if census.total:
+        return
+    message = f"{what} performs no rotary position embedding: nothing for rope-export to fuse"
+    if not allow_no_rope:
+        raise HFExportError(f"{message}; export it with torch.onnx, or pass --allow-no-rope to write the file anyway")
+    notes.append(f"{message} (--allow-no-rope: written anyway)")
+    warnings.warn(notes[-1], stacklevel=3)

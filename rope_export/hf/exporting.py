@@ -51,7 +51,7 @@ from rope_export.hf.cache_io import (
     hf_example_inputs,
     hf_io_names,
 )
-from rope_export.hf.counting import count_and_compare, eager_rotations
+from rope_export.hf.counting import count_and_compare, eager_rotations, refuse_no_rope
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, family_of, text_config
 from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
@@ -241,6 +241,7 @@ def export_hf(
     family: str | None = None,
     fallback: str = "auto",
     allow_decomposed: bool = False,
+    allow_no_rope: bool = False,
     opset: int = 23,
     weights: str | None = None,
     seed: int = 0,
@@ -263,7 +264,8 @@ def export_hf(
     the tracing inputs (default (2, 4, 3); (2, 5, 3) for hybrids, whose chunked scans must not see a
     sequence that divides their chunk size); use seq >= 2 (torch.export fixes a dim whose example
     size is 1). ``external``: where the weights go (``onnx_files.EXTERNAL_DATA``); they are streamed
-    from the model's tensors to disk, never copied into one ModelProto.
+    from the model's tensors to disk, never copied into one ModelProto. A model that performs no
+    rotation at all (GPT-2) is refused, or with ``allow_no_rope`` written with a warning and a note.
     """
     say = progress or (lambda message: None)
     if fallback not in FALLBACKS:
@@ -285,6 +287,8 @@ def export_hf(
         say("counting the rotations transformers performs in one eager forward")
         with recorded_calls() as called:
             census = eager_rotations(module, inputs)
+        refuse_no_rope(census, model.config.model_type if layer is None else f"{model.config.model_type} layer {layer}",
+                       allow_no_rope=allow_no_rope, notes=notes)
         say("finding the rotary functions the model calls")
         functions = [] if fallback in ("plain", "fuse") else detect(model, fam, called)
     if not functions and fam.forced and fallback not in ("plain", "fuse"):

@@ -34,6 +34,32 @@ def load_hf_config(path: str | os.PathLike):
         raise HFExportError(f"{path}: not a config transformers accepts: {_reason(exc)}") from None
 
 
+def weights_beside(config: str | os.PathLike) -> Path | None:
+    """The folder of the ``--hf`` config (the folder itself, or the one holding the .json) when it holds a
+    checkpoint save_pretrained wrote; None when it holds no weights (a config only).
+
+    Weights there in a form rope-export does not read are refused: exporting random weights instead of
+    them would give a file that runs and means nothing."""
+    from rope_export.checkpoints import CHECKPOINT_FILES, CheckpointError, checkpoint_files, other_weight_files
+
+    path = Path(config)
+    if not path.exists():
+        return None  # load_hf_config says what is wrong
+    folder = path if path.is_dir() else path.parent
+    try:
+        if checkpoint_files(folder):
+            return folder
+    except CheckpointError as exc:
+        raise HFExportError(str(exc)) from None
+    others = other_weight_files(folder)
+    if others:
+        raise HFExportError(
+            f"{folder} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''} but none of "
+            f"{', '.join(CHECKPOINT_FILES)}: rope-export reads only what save_pretrained writes; re-save the model "
+            "with save_pretrained, or pass --random-weights to export random weights")
+    return None
+
+
 def _reason(exc: BaseException) -> str:
     """The innermost cause's message, on one line (strict-dataclass validation wraps the real ValueError)."""
     while exc.__cause__ is not None:
