@@ -68,6 +68,7 @@ def test_a_version_outside_the_tested_range_gets_one_line(version, tested):
 
 def test_the_installed_transformers_is_judged():
     installed = metadata.version("transformers")
+    assert versions.installed_version() == installed
     assert (versions.untested_note() is None) == versions.is_tested(installed)
 
 
@@ -95,3 +96,25 @@ def test_the_drift_report_names_the_failed_tests_of_a_real_pytest_run(tmp_path):
     assert [name for name, _ in broken] == ["test_two::test_bad"]
     assert "drifted" in broken[0][1]
     assert lock_tool.failures(tmp_path / "missing.xml")[0][0] == "(no test report)"
+
+
+def test_export_hf_on_an_untested_transformers_warns_in_one_line_and_its_error_says_so(tmp_path, capsys, monkeypatch):
+    """The real CLI on a real config; only the installed version it reads is another."""
+    transformers = pytest.importorskip("transformers")
+    from rope_export import cli
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config.save_pretrained(tmp_path / "llama")
+    transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4).save_pretrained(tmp_path / "gpt2")
+    monkeypatch.setattr(versions, "installed_version", lambda: "99.1.0")
+
+    assert cli.main(["export", "--hf", str(tmp_path / "llama"), "-o", str(tmp_path / "llama.onnx")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "untested" in line]
+    assert warnings == [f"warning: {versions.untested_note('99.1.0')}"]
+
+    assert cli.main(["export", "--hf", str(tmp_path / "gpt2"), "-o", str(tmp_path / "gpt2.onnx")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("rope-export export: error: gpt2 performs no rotary position embedding")
+    assert error.endswith(f"({versions.untested_note('99.1.0')})")
+    assert not (tmp_path / "gpt2.onnx").exists()

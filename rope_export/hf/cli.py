@@ -13,6 +13,7 @@ from rope_export.hf.errors import HFExportError
 from rope_export.hf.exporting import FALLBACKS, export_hf
 from rope_export.hf.families import HF_FAMILIES
 from rope_export.hf.loading import build_hf_model, weights_beside
+from rope_export.hf.versions import said_when_untested
 
 
 def register_hf_arguments(parser) -> None:
@@ -93,7 +94,8 @@ def run_hf_export(args) -> int:
     else:
         weights_line = f"weights from {weights}"
     console = Console()
-    with cli_steps(console, f"rope-export export --hf: {args.output}", args.summary_json) as progress:
+    with said_when_untested(), cli_steps(console, f"rope-export export --hf: {args.output}",
+                                         args.summary_json) as progress:
         progress(f"building the model from {args.hf}" + (f" with weights from {weights}" if weights else
                                                           f" (random weights, seed {args.seed})"))
         model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed, progress=progress)
