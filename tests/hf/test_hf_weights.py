@@ -232,6 +232,70 @@ def test_a_checkpoint_with_other_shapes_is_an_error_naming_them(tmp_path, capsys
            "checkpoint, [32, 64] in the model;" in err
 
 
+def truncated_after_header(path) -> None:
+    """Cut a .safetensors file just past its JSON header: names and shapes intact, no tensor data."""
+    data = path.read_bytes()
+    path.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 16])
+
+
+def no_loading(monkeypatch) -> None:
+    """Fail the test if any checkpoint data would be loaded (ours or transformers')."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpoint data was loaded")
+
+    monkeypatch.setattr(checkpoints, "_from_pretrained", refuse)
+    monkeypatch.setattr(checkpoints, "load_checkpoint", refuse)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_from_its_headers_alone(tmp_path, capsys, monkeypatch):
+    """The refusal names the tensors although the file holds no tensor data: nothing but the header was read."""
+    no_loading(monkeypatch)
+    folder = tmp_path / "qwen2"
+    transformers.Qwen2Config(**SMALL).save_pretrained(folder)
+    gptj = saved(tmp_path / "gptj", transformers.GPTJConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                            rotary_dim=4, n_positions=64,
+                                                            bos_token_id=None, eos_token_id=None))
+    truncated_after_header(gptj / "model.safetensors")
+    code, _, err = export(capsys, "--hf", folder, "--weights", gptj, "-o", tmp_path / "m.onnx")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "does not fit the config: 14 tensor(s) missing (model.embed_tokens.weight, " in err
+    assert "truncated" not in err
+
+    # other shapes, and the .bin form (names and shapes from the pickle, its storages mapped, not read)
+    other = saved(tmp_path / "llama", llama(intermediate_size=48))
+    llama().save_pretrained(other)
+    truncated_after_header(other / "model.safetensors")
+    code, _, err = export(capsys, "--hf", other, "-o", tmp_path / "m.onnx")
+    assert code == 2 and "does not fit the config: 3 of other shapes (model.layers.0.mlp.down_proj.weight is " \
+                         "[32, 48] in the checkpoint, [32, 64] in the model;" in err, err
+    as_bin(saved(tmp_path / "bin", llama(intermediate_size=48)), shards=2)
+    llama().save_pretrained(tmp_path / "bin")
+    code, _, err = export(capsys, "--hf", tmp_path / "bin", "-o", tmp_path / "m.onnx")
+    assert code == 2 and "does not fit the config: 3 of other shapes" in err, err
+
+
+def test_renamed_and_fused_experts_are_not_refused_from_the_headers(tmp_path):
+    """Mixtral as save_pretrained writes it (block_sparse_moe, one tensor per expert): the header check follows
+    transformers' renaming and fusing, so the checkpoint loads, as from_pretrained loads it."""
+    config = transformers.MixtralConfig(**{**SMALL, "num_local_experts": 4})
+    folder = saved(tmp_path / "mixtral", config)
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in load_file(folder / "model.safetensors")
+    model, report = checkpoints.build_causal_lm(AUTO, config, torch.float32, weights=folder)
+    assert report.loader == "transformers"
+    reference = AUTO.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        got, want = model(input_ids=IDS).logits, reference(input_ids=IDS).logits
+    assert TOL.allclose(got.numpy(), want.numpy()), f"max error {(got - want).abs().max():.3g}"
+
+
+def test_a_truncated_checkpoint_that_fits_is_refused_before_reading(tmp_path, capsys, monkeypatch):
+    no_loading(monkeypatch)
+    folder = saved(tmp_path / "llama", llama())
+    truncated_after_header(folder / "model.safetensors")
+    code, _, err = export(capsys, "--hf", folder, "-o", tmp_path / "m.onnx")
+    assert code == 2 and "the file is truncated or corrupt" in err, err
+
+
 def test_weights_rope_export_cannot_read_are_never_replaced_by_random_ones(tmp_path, capsys):
     llama().save_pretrained(tmp_path)
     torch.save({}, tmp_path / "consolidated.00.pth")
