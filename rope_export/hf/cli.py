@@ -96,7 +96,8 @@ def run_hf_export(args) -> int:
     with cli_steps(console, f"rope-export export --hf: {args.output}", args.summary_json) as progress:
         progress(f"building the model from {args.hf}" + (f" with weights from {weights}" if weights else
                                                           f" (random weights, seed {args.seed})"))
-        model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed, progress=progress)
+        model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed,
+                               random_weights=weights is None, progress=progress)
         result = export_hf(model, args.output, layer=args.layer, family=args.hf_family, fallback=args.hf_fallback,
                            allow_decomposed=getattr(args, "allow_decomposed", False),
                            allow_no_rope=bool(args.allow_no_rope), opset=args.opset, external=args.external_data,

@@ -142,7 +142,7 @@ def test_every_checkpoint_form_loads_by_rope_exports_own_reader(tmp_path, form):
     assert report.loader == ("pytorch" if ".bin" in form else "safetensors") and report.files == sorted(map(str, files))
     assert report.converted == {"fp32->fp16": report.tensors}
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    built = hf.build_hf_model(folder, weights_beside(folder))
+    built = hf.build_hf_model(folder)  # the Python API's default is the CLI's: the checkpoint beside the config
     with torch.no_grad():
         got = built(input_ids=IDS, position_ids=positions()).logits
     assert torch.equal(got, reference_logits(folder))
@@ -323,6 +323,22 @@ def test_random_weights_when_asked_even_beside_a_checkpoint(tmp_path, capsys):
     assert not TOL.allclose(got, want)  # not the trained model
     code, _, err = export(capsys, "--hf", folder, "--random-weights", "--weights", folder, "-o", tmp_path / "n.onnx")
     assert code == 2 and "exclude each other" in err
+
+
+def test_the_python_api_builds_random_weights_only_when_asked_or_from_a_config(tmp_path):
+    folder = saved(tmp_path / "llama", llama())
+    want = reference_logits(folder)
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=IDS, position_ids=positions()).logits
+
+    assert torch.equal(logits(hf.build_hf_model(folder / "config.json")), want)
+    random = hf.build_hf_model(folder, random_weights=True, seed=3)
+    assert not TOL.allclose(logits(random).numpy(), want.numpy())
+    assert torch.equal(logits(random), logits(hf.build_hf_model(llama(), seed=3)))  # a config object: random
+    with pytest.raises(hf.HFExportError, match="exclude each other"):
+        hf.build_hf_model(folder, folder, random_weights=True)
 
 
 # -- (e) a model without RoPE -----------------------------------------------------------------
