@@ -97,6 +97,8 @@ def _run(args) -> int:
                        long_seq=args.long_seq, sweep=not args.no_sweep, plugin_library=args.plugin,
                        memory_limit_gb=args.memory_limit, max_in_memory_gb=args.max_in_memory,
                        piece_limit_gb=args.piece_limit, progress=progress)
+        if report.weights:  # which weights the transformers reference was built with
+            progress.facts["weights"] = report.weights
     print_report(report, console)
     if args.report:
         for path in write_reports(report, args.report):

@@ -193,7 +193,8 @@ def check(
     return CheckReport(
         model=mf.label, reference=ref.label, against=_short(ref), independent=ref.independent, dtype=dtype,
         tolerance=tol, runners=reports, tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
-        preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]))
+        preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]),
+        weights=getattr(ref, "weights_source", {}))
 
 
 def _layers(mf: ModelFile) -> int:

@@ -338,7 +338,9 @@ def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weigh
         if choice.note:
             notes.append(choice.note)
         try:
-            return TransformersReference(mf, hf_info, hf_config or hf_info.config, choice.folder)
+            ref = TransformersReference(mf, hf_info, hf_config or hf_info.config, choice.folder)
+            ref.weights_source = choice.to_dict()
+            return ref
         except _NoReference as why:
             notes.append(f"transformers is not the reference: {why}")
             return GoldenRunnerReference(mf, limits, "no transformers reference for this file")

@@ -34,8 +34,9 @@ class WeightsChoice:
 
     def to_dict(self) -> dict:
         """For --summary-json: where the reference's weights came from."""
-        return {"source": "random", "seed": self.seed} if self.folder is None else {"source": "folder",
-                                                                                      "path": self.folder}
+        if self.folder is None:
+            return {"source": "random", "seed": self.seed}
+        return {"source": "folder", "path": str(Path(self.folder).resolve())}
 
 
 _UNRECORDED = object()

@@ -94,6 +94,9 @@ def run_hf_export(args) -> int:
         weights_line = f"weights from {weights}"
     console = Console()
     with cli_steps(console, f"rope-export export --hf: {args.output}", args.summary_json) as progress:
+        # --summary-json says which weights the file holds, as its first line does
+        progress.facts["weights"] = ({"source": "random", "seed": args.seed} if weights is None else
+                                     {"source": "folder", "path": str(Path(weights).resolve())})
         progress(f"building the model from {args.hf}" + (f" with weights from {weights}" if weights else
                                                           f" (random weights, seed {args.seed})"))
         model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed,

@@ -6,6 +6,7 @@ folder, and files exported from them; each check runs onnxruntime CPU only, with
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import onnx
@@ -63,6 +64,15 @@ def test_a_trained_export_is_checked_with_its_folder(files, capsys):
     for argv in ([], ["--hf", files["a"]], ["--weights", files["a"]]):
         code, out = check(capsys, files["trained"], *argv)
         assert code == 0 and f"weights{files['a']})" in out and "note:thefilewasexported" not in out, out
+
+
+def test_summary_json_says_which_weights(files, capsys, tmp_path):
+    summary = tmp_path / "summary.json"
+    code, _ = check(capsys, files["random"], "--hf", files["a"], "--summary-json", summary)
+    assert code == 0 and json.loads(summary.read_text())["weights"] == {"source": "random", "seed": 0}
+    code, _ = check(capsys, files["trained"], "--summary-json", summary)
+    assert code == 0 and json.loads(summary.read_text())["weights"] == {"source": "folder",
+                                                                        "path": str(files["a"].resolve())}
 
 
 def test_a_random_export_beside_a_checkpoint_is_checked_with_its_seed_and_says_so(files, capsys):

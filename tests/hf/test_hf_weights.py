@@ -89,8 +89,10 @@ def summary_first_line(out: str) -> str:
 def test_a_save_pretrained_folder_exports_its_own_weights(tmp_path, capsys):
     folder = saved(tmp_path / "llama", llama())
     assert "lm_head.weight" not in load_file(folder / "model.safetensors")  # tied: absent, and that is fine
-    code, out, err = export(capsys, "--hf", folder, "-o", tmp_path / "m.onnx")
+    code, out, err = export(capsys, "--hf", folder, "-o", tmp_path / "m.onnx", "--summary-json", tmp_path / "s.json")
     assert code == 0, err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["weights"] == {"source": "folder", "path": str(folder.resolve())}
     first = summary_first_line(out)
     assert first == f"weights from {folder}" and "random" not in first
     meta = hf.read_hf_metadata(onnx.load_model(tmp_path / "m.onnx", load_external_data=False))
@@ -316,9 +318,11 @@ def test_a_config_only_folder_exports_random_weights_and_says_so_first(tmp_path,
 
 def test_random_weights_when_asked_even_beside_a_checkpoint(tmp_path, capsys):
     folder = saved(tmp_path / "llama", llama())
-    code, out, err = export(capsys, "--hf", folder, "--random-weights", "-o", tmp_path / "m.onnx")
+    code, out, err = export(capsys, "--hf", folder, "--random-weights", "--seed", "0", "-o", tmp_path / "m.onnx",
+                            "--summary-json", tmp_path / "s.json")
     assert code == 0, err
     assert summary_first_line(out) == f"{RANDOM_LINE} (--random-weights)"
+    assert json.loads((tmp_path / "s.json").read_text())["weights"] == {"source": "random", "seed": 0}
     got, want = file_logits(tmp_path / "m.onnx"), reference_logits(folder).numpy()
     assert not TOL.allclose(got, want)  # not the trained model
     code, _, err = export(capsys, "--hf", folder, "--random-weights", "--weights", folder, "-o", tmp_path / "n.onnx")
