@@ -8,7 +8,8 @@ in a second instead of after minutes of loading an 8B. The prediction errs on th
 what it cannot tell (a converter's output shape, a buffer the checkpoint lacks) is left to
 ``from_pretrained``, whose report still refuses it afterwards.
 
-transformers is imported lazily; without its renaming machinery (another version) nothing is predicted.
+transformers is imported lazily; without its renaming machinery (another version), or for a quantized
+checkpoint (its quantizer reshapes the model's tensors), nothing is predicted and loading decides.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def predicted_loading_info(model: nn.Module, shapes: dict[str, tuple[int, ...]])
     names and shapes, as missing/unexpected/mismatched keys; None when this transformers cannot be asked.
 
     ``model`` is the config's model with its parameters on the meta device (its state dict costs nothing)."""
+    if getattr(getattr(model, "config", None), "quantization_config", None):
+        return None  # a quantizer changes the model's tensors (scales, packed weights): only loading can tell
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
