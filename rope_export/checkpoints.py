@@ -18,9 +18,11 @@
   experts, quantized weights) is loaded by transformers' ``from_pretrained`` instead, and
   ``LoadReport.loader`` says so; what even transformers cannot place (tensors missing, unexpected
   or of other shapes: the checkpoint of another model) is a ``CheckpointMismatchError`` naming
-  them, never a model with freshly initialized weights.
+  them, never a model with freshly initialized weights. That is decided from the headers' names and
+  shapes (``rope_export.checkpoint_fit``, transformers' own renaming rules) before any tensor data is
+  read; so is a tensor whose bytes lie past the end of its file.
 
-transformers is imported by the caller (``rope_export.hf``); this module needs only torch.
+transformers is imported by the caller (``rope_export.hf``) or lazily (``checkpoint_fit``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from rope_export.bounds import check_allocation, format_bytes
+from rope_export.checkpoint_fit import predicted_loading_info
 from rope_export.steps import detail
 
 CHUNK_BYTES = 64 * 2**20  # conversion buffer for a tensor stored in another dtype
@@ -161,10 +164,18 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
     plan = _without_ignored(model, plan)
     mismatch = _mismatch(model, plan)
     if mismatch:
+        # names and shapes decide before any tensor data is read: another model's checkpoint is refused now,
+        # not after from_pretrained has loaded all of it
+        predicted = predicted_loading_info(model, {name: entry.shape for name, entry in plan.items()})
+        misfit = describe_misfit(predicted or {})
         del model
+        if misfit:
+            raise _misfit_error(Path(weights), misfit)
+        _check_extents(plan)
         detail(progress, f"loading with transformers' from_pretrained ({mismatch})")
         model = _from_pretrained(auto_class, Path(weights), config, options)
         return model.eval(), LoadReport("transformers", reason=mismatch)
+    _check_extents(plan)
     materialize(model, dtype)
     report = load_checkpoint(model, plan, progress)
     return model.eval(), report
@@ -181,9 +192,13 @@ def _from_pretrained(auto_class, folder: Path, config, options: dict) -> nn.Modu
             raise CheckpointError(f"checkpoint {folder}: transformers cannot load it: {_first_line(exc)}") from None
     misfit = describe_misfit(info)
     if misfit:
-        raise CheckpointMismatchError(f"checkpoint {folder} does not fit the config: {misfit}; is it this model's "
-                                      "checkpoint?")
+        raise _misfit_error(folder, misfit)
     return model
+
+
+def _misfit_error(folder: Path, misfit: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(f"checkpoint {folder} does not fit the config: {misfit}; is it this model's "
+                                   "checkpoint?")
 
 
 def describe_misfit(info: dict) -> str:
@@ -243,6 +258,7 @@ class _Entry:
     shape: tuple[int, ...]
     start: int  # absolute offset in the file
     length: int
+    file_size: int = -1  # of a .safetensors file: its data must lie inside (checked before reading, after the fit)
 
 
 def read_header(path: Path) -> dict[str, _Entry]:
@@ -265,13 +281,21 @@ def read_header(path: Path) -> dict[str, _Entry]:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which rope-export cannot "
                                   f"read; supported: {', '.join(SAFETENSORS_DTYPES)}")
         begin, end = info["data_offsets"]
-        entry = _Entry(path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + begin, end - begin)
-        expected = entry.dtype.itemsize * _numel(entry.shape)
-        if entry.length != expected or entry.start + entry.length > file_size:
-            raise CheckpointError(f"{path}: tensor {name!r} claims {entry.length:,} bytes at {entry.start:,} but needs "
-                                  f"{expected:,} in a {file_size:,}-byte file; the file is truncated or corrupt")
-        entries[name] = entry
+        entries[name] = _Entry(path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + begin,
+                               end - begin, file_size)
     return entries
+
+
+def _check_extents(plan: dict[str, _Entry]) -> None:
+    """Refuse a .safetensors tensor whose bytes are not all in its file (truncated or corrupt), before reading any."""
+    for name, entry in plan.items():
+        if entry.file_size < 0:
+            continue
+        expected = entry.dtype.itemsize * _numel(entry.shape)
+        if entry.length != expected or entry.start + entry.length > entry.file_size:
+            raise CheckpointError(f"{entry.file}: tensor {name!r} claims {entry.length:,} bytes at {entry.start:,} but "
+                                  f"needs {expected:,} in a {entry.file_size:,}-byte file; the file is truncated or "
+                                  "corrupt")
 
 
 def _numel(shape) -> int:
@@ -381,6 +405,7 @@ def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLik
     """Read the checkpoint's tensors into ``model``'s allocated parameters and buffers, in their dtypes."""
     if not isinstance(plan, dict):
         plan = _checkpoint_plan(Path(plan))
+    _check_extents(plan)
     targets = _targets(model)
     pytorch = any(e.start < 0 for e in plan.values())
     report = LoadReport("pytorch" if pytorch else "safetensors", files=sorted({str(e.file) for e in plan.values()}))

@@ -55,6 +55,7 @@ class StepLog:
     show_detail: Callable[[str], None] | None = None  # called with each detail
     steps: list[Step] = field(default_factory=list)
     files: list[tuple[str, int]] = field(default_factory=list)
+    facts: dict = field(default_factory=dict)  # what the command used, for --summary-json (e.g. "weights")
     _start: float = 0.0
     _peak: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -95,7 +96,7 @@ class StepLog:
 
     def to_dict(self) -> dict:
         return {"steps": [asdict(s) for s in self.steps], "files": [{"path": p, "bytes": n} for p, n in self.files],
-                "seconds": self.seconds, "peak_rss": self.peak_rss}
+                "seconds": self.seconds, "peak_rss": self.peak_rss, **self.facts}
 
     def write_json(self, path: str | os.PathLike) -> None:
         from rope_export.fileio import atomic_write_text

@@ -6,6 +6,8 @@ The package follows polygraphy's split between what is compared and how:
 * ``metadata``: the ``rope_export.*`` metadata, validated field by field;
 * ``references``: what the runners are compared with (the preset's PyTorch block, the transformers
   model, another ONNX file, or onnx-reference as the golden), chosen from the file or named;
+* ``weights``: which weights the transformers model is rebuilt with (the file's record, else export
+  --hf's rule), and a note whenever they are not the file's own;
 * ``inputs``: feeds generated from the graph (decoder-aware, RoPE stress cases) or the user's own;
 * ``runners``: onnx-reference, the CPU twin, onnxruntime CPU/CUDA, TensorRT, each skipped with a reason;
 * ``graph`` and ``cache_rows``: every stored cache row compared with the RoPE configuration, and each

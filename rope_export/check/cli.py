@@ -43,8 +43,13 @@ def register(subparsers) -> None:
                              "export a fused or lowered file came from")
     parser.add_argument("--hf", metavar="CONFIG", help="compare with the transformers model of this config (folder or "
                                                        ".json); default: the config recorded in the file")
-    parser.add_argument("--weights", metavar="DIR", help="the transformers weights (default: recorded in the file, "
-                                                         "else random weights from --seed)")
+    parser.add_argument("--weights", metavar="DIR",
+                        help="the transformers checkpoint folder (default: the weights the file records, random "
+                             "ones included; for a file that records none, the checkpoint beside --hf, else random "
+                             "weights from --seed); a note says when they differ from the file's record")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="compare with random weights (--seed) even where the file records a checkpoint or "
+                             "--hf's folder holds one (a note says so)")
     parser.add_argument("--seed", type=_positive,
                         help="seed of the random weights, drawn as `export --hf` draws them (not as a plain "
                              "from_config does: check such a file with --weights); default: recorded, or 0")
@@ -87,10 +92,13 @@ def _run(args) -> int:
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
     with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
         report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,
-                       seed=args.seed, inputs=args.inputs, batch=args.batch, seq=args.seq, past=args.past,
+                       seed=args.seed, random_weights=args.random_weights, inputs=args.inputs, batch=args.batch,
+                       seq=args.seq, past=args.past,
                        long_seq=args.long_seq, sweep=not args.no_sweep, plugin_library=args.plugin,
                        memory_limit_gb=args.memory_limit, max_in_memory_gb=args.max_in_memory,
                        piece_limit_gb=args.piece_limit, progress=progress)
+        if report.weights:  # which weights the transformers reference was built with
+            progress.facts["weights"] = report.weights
     print_report(report, console)
     if args.report:
         for path in write_reports(report, args.report):

@@ -50,6 +50,7 @@ def check(
     hf_config: str | os.PathLike | None = None,
     weights: str | os.PathLike | None = None,
     seed: int | None = None,
+    random_weights: bool = False,
     inputs: list[str] | None = None,
     batch: int | None = None,
     seq: int | None = None,
@@ -86,7 +87,7 @@ def check(
         metadata_notes.append(f"the file's metadata is not used: {exc}")
     ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
                                   hf_config=hf_config, weights=None if weights is None else str(weights), seed=seed,
-                                  reference_block=reference_block, limits=limits)
+                                  random_weights=random_weights, reference_block=reference_block, limits=limits)
     notes = metadata_notes + notes
     dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
     layers = _layers(mf)
@@ -192,7 +193,8 @@ def check(
     return CheckReport(
         model=mf.label, reference=ref.label, against=_short(ref), independent=ref.independent, dtype=dtype,
         tolerance=tol, runners=reports, tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
-        preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]))
+        preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]),
+        weights=getattr(ref, "weights_source", {}))
 
 
 def _layers(mf: ModelFile) -> int:

@@ -2,8 +2,9 @@
 
 * a preset export: the PyTorch block rebuilt from the metadata (preset, dtype, seed, cache length);
 * an ``export --hf`` file, or ``--hf CONFIG [--weights DIR]``: the transformers model rebuilt from
-  the config and weights the file records (random weights: the same seed), logits and every
-  present key/value compared;
+  the config and weights the file records (random weights: the same seed), or for a file that
+  records none the checkpoint beside the config (``check.weights``: export --hf's rule), logits and
+  every present key/value compared;
 * ``--reference OTHER.onnx``: another ONNX file run by onnxruntime, inputs and outputs matched by name;
 * nothing to go on: ``onnx-reference`` is the golden and the other runners are compared with it
   (the report says so: they are compared with each other, not with PyTorch).
@@ -25,6 +26,7 @@ from rope_export.check.inputs import input_role
 from rope_export.check.metadata import HFInfo, PresetInfo
 from rope_export.check.model_file import CheckError, ModelFile, TensorSpec, free_memory
 from rope_export.check.runners import Limits, Skip, first_line, make_runner, run_cases
+from rope_export.check.weights import choose_weights
 from rope_export.export import DTYPES, INPUT_NAMES, OUTPUT_NAMES
 
 
@@ -311,27 +313,34 @@ class GoldenRunnerReference(Reference):
 
 def choose_reference(mf: ModelFile, *, source: str | None, preset: PresetInfo | None, hf_info: HFInfo | None,
                      reference_path=None, hf_config=None, weights=None, seed: int | None = None,
-                     reference_block=None, limits: Limits) -> tuple[Reference, list[str]]:
+                     random_weights: bool = False, reference_block=None,
+                     limits: Limits) -> tuple[Reference, list[str]]:
     """The reference for this file and flags, and notes for the report."""
     notes: list[str] = []
-    ref = _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, reference_block,
-                  limits)
+    ref = _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, random_weights,
+                  reference_block, limits)
     ref.weight_bytes = mf.weight_bytes
     return ref, notes
 
 
-def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, reference_block,
-            limits) -> Reference:
+def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, random_weights,
+            reference_block, limits) -> Reference:
     if reference_path is not None:
         return OnnxFileReference(mf, reference_path, limits)
     if hf_config is not None or (source == "transformers" and hf_info is not None):
-        if hf_info is None:  # --hf on a file without transformers metadata
-            hf_info = HFInfo(_file_dtype(mf), seed or 0, "hf-causal-lm", {}, None, None)
-        elif seed is not None:
-            hf_info.seed = seed
+        asked = dict(hf_config=hf_config, weights=weights, random_weights=random_weights, seed=seed)
+        if hf_info is None:  # --hf on a file without transformers metadata: export --hf's rule
+            choice = choose_weights(**asked)
+            hf_info = HFInfo(_file_dtype(mf), choice.seed, "hf-causal-lm", {}, None, None)
+        else:  # the weights the file records, unless told otherwise (and then a note says so)
+            choice = choose_weights(recorded=hf_info.weights, recorded_seed=hf_info.seed, **asked)
+            hf_info.seed = choice.seed
+        if choice.note:
+            notes.append(choice.note)
         try:
-            return TransformersReference(mf, hf_info, hf_config or hf_info.config,
-                                         weights if weights is not None else hf_info.weights)
+            ref = TransformersReference(mf, hf_info, hf_config or hf_info.config, choice.folder)
+            ref.weights_source = choice.to_dict()
+            return ref
         except _NoReference as why:
             notes.append(f"transformers is not the reference: {why}")
             return GoldenRunnerReference(mf, limits, "no transformers reference for this file")

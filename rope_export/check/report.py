@@ -53,6 +53,7 @@ class CheckReport:
     notes: list[str] = field(default_factory=list)
     preset: str = ""
     sweep_tolerance: Tolerance | None = None  # the op tolerance the rotary nodes alone are held to
+    weights: dict = field(default_factory=dict)  # a transformers reference's: {"source": "folder"|"random", ...}
 
     @property
     def compared(self) -> list[RunnerReport]:
@@ -95,6 +96,7 @@ def report_dict(report: CheckReport) -> dict:
         "reference": report.reference,
         "compared_with_an_independent_reference": report.independent,
         "preset": report.preset or None,
+        "weights": report.weights or None,
         "dtype": report.dtype,
         "tolerance": asdict(report.tolerance),
         "tolerance_rule": "|actual - reference| <= atol + rtol * |reference|, elementwise",

@@ -96,9 +96,13 @@ def run_hf_export(args) -> int:
     console = Console()
     with said_when_untested(), cli_steps(console, f"rope-export export --hf: {args.output}",
                                          args.summary_json) as progress:
+        # --summary-json says which weights the file holds, as its first line does
+        progress.facts["weights"] = ({"source": "random", "seed": args.seed} if weights is None else
+                                     {"source": "folder", "path": str(Path(weights).resolve())})
         progress(f"building the model from {args.hf}" + (f" with weights from {weights}" if weights else
                                                           f" (random weights, seed {args.seed})"))
-        model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed, progress=progress)
+        model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed,
+                               random_weights=weights is None, progress=progress)
         result = export_hf(model, args.output, layer=args.layer, family=args.hf_family, fallback=args.hf_fallback,
                            allow_decomposed=getattr(args, "allow_decomposed", False),
                            allow_no_rope=bool(args.allow_no_rope), opset=args.opset, external=args.external_data,

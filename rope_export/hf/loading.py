@@ -83,18 +83,25 @@ def check_config(config) -> None:
 
 
 def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: str = "fp32", seed: int = 0,
-                   progress: Callable[[str], None] | None = None):
-    """The causal LM of ``config`` (a config object or a path), random (seeded) or from local ``weights``.
+                   random_weights: bool = False, progress: Callable[[str], None] | None = None):
+    """The causal LM of ``config`` (a config object or a path) with the weights ``export --hf`` would use.
 
-    Attention is transformers' eager implementation and experts use ``batched_mm``: both export to
-    plain ONNX ops. The weights are allocated once in ``dtype`` (``rope_export.checkpoints``: no
-    float32 detour, no transient copy).
+    ``weights``: a local checkpoint folder. Without it, a path ``config`` uses the checkpoint beside it
+    (``weights_beside``: the folder itself, or the one holding the .json), as the CLI does; random
+    weights (seeded) come only from a config-only folder, a config object (it has no folder), or
+    ``random_weights=True``. Attention is transformers' eager implementation and experts use
+    ``batched_mm``: both export to plain ONNX ops. The weights are allocated once in ``dtype``
+    (``rope_export.checkpoints``: no float32 detour, no transient copy).
     """
     import transformers
 
     from rope_export.checkpoints import CheckpointError, build_causal_lm
 
+    if random_weights and weights is not None:
+        raise HFExportError("random_weights=True and weights exclude each other: give one")
     if not isinstance(config, transformers.PretrainedConfig):
+        if weights is None and not random_weights:
+            weights = weights_beside(config)  # a folder with a checkpoint never builds random weights silently
         config = load_hf_config(config)
     if dtype not in DTYPES:
         raise HFExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")

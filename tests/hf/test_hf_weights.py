@@ -89,8 +89,10 @@ def summary_first_line(out: str) -> str:
 def test_a_save_pretrained_folder_exports_its_own_weights(tmp_path, capsys):
     folder = saved(tmp_path / "llama", llama())
     assert "lm_head.weight" not in load_file(folder / "model.safetensors")  # tied: absent, and that is fine
-    code, out, err = export(capsys, "--hf", folder, "-o", tmp_path / "m.onnx")
+    code, out, err = export(capsys, "--hf", folder, "-o", tmp_path / "m.onnx", "--summary-json", tmp_path / "s.json")
     assert code == 0, err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["weights"] == {"source": "folder", "path": str(folder.resolve())}
     first = summary_first_line(out)
     assert first == f"weights from {folder}" and "random" not in first
     meta = hf.read_hf_metadata(onnx.load_model(tmp_path / "m.onnx", load_external_data=False))
@@ -142,7 +144,7 @@ def test_every_checkpoint_form_loads_by_rope_exports_own_reader(tmp_path, form):
     assert report.loader == ("pytorch" if ".bin" in form else "safetensors") and report.files == sorted(map(str, files))
     assert report.converted == {"fp32->fp16": report.tensors}
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    built = hf.build_hf_model(folder, weights_beside(folder))
+    built = hf.build_hf_model(folder)  # the Python API's default is the CLI's: the checkpoint beside the config
     with torch.no_grad():
         got = built(input_ids=IDS, position_ids=positions()).logits
     assert torch.equal(got, reference_logits(folder))
@@ -232,6 +234,70 @@ def test_a_checkpoint_with_other_shapes_is_an_error_naming_them(tmp_path, capsys
            "checkpoint, [32, 64] in the model;" in err
 
 
+def truncated_after_header(path) -> None:
+    """Cut a .safetensors file just past its JSON header: names and shapes intact, no tensor data."""
+    data = path.read_bytes()
+    path.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 16])
+
+
+def no_loading(monkeypatch) -> None:
+    """Fail the test if any checkpoint data would be loaded (ours or transformers')."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpoint data was loaded")
+
+    monkeypatch.setattr(checkpoints, "_from_pretrained", refuse)
+    monkeypatch.setattr(checkpoints, "load_checkpoint", refuse)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_from_its_headers_alone(tmp_path, capsys, monkeypatch):
+    """The refusal names the tensors although the file holds no tensor data: nothing but the header was read."""
+    no_loading(monkeypatch)
+    folder = tmp_path / "qwen2"
+    transformers.Qwen2Config(**SMALL).save_pretrained(folder)
+    gptj = saved(tmp_path / "gptj", transformers.GPTJConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                            rotary_dim=4, n_positions=64,
+                                                            bos_token_id=None, eos_token_id=None))
+    truncated_after_header(gptj / "model.safetensors")
+    code, _, err = export(capsys, "--hf", folder, "--weights", gptj, "-o", tmp_path / "m.onnx")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "does not fit the config: 14 tensor(s) missing (model.embed_tokens.weight, " in err
+    assert "truncated" not in err
+
+    # other shapes, and the .bin form (names and shapes from the pickle, its storages mapped, not read)
+    other = saved(tmp_path / "llama", llama(intermediate_size=48))
+    llama().save_pretrained(other)
+    truncated_after_header(other / "model.safetensors")
+    code, _, err = export(capsys, "--hf", other, "-o", tmp_path / "m.onnx")
+    assert code == 2 and "does not fit the config: 3 of other shapes (model.layers.0.mlp.down_proj.weight is " \
+                         "[32, 48] in the checkpoint, [32, 64] in the model;" in err, err
+    as_bin(saved(tmp_path / "bin", llama(intermediate_size=48)), shards=2)
+    llama().save_pretrained(tmp_path / "bin")
+    code, _, err = export(capsys, "--hf", tmp_path / "bin", "-o", tmp_path / "m.onnx")
+    assert code == 2 and "does not fit the config: 3 of other shapes" in err, err
+
+
+def test_renamed_and_fused_experts_are_not_refused_from_the_headers(tmp_path):
+    """Mixtral as save_pretrained writes it (block_sparse_moe, one tensor per expert): the header check follows
+    transformers' renaming and fusing, so the checkpoint loads, as from_pretrained loads it."""
+    config = transformers.MixtralConfig(**{**SMALL, "num_local_experts": 4})
+    folder = saved(tmp_path / "mixtral", config)
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in load_file(folder / "model.safetensors")
+    model, report = checkpoints.build_causal_lm(AUTO, config, torch.float32, weights=folder)
+    assert report.loader == "transformers"
+    reference = AUTO.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        got, want = model(input_ids=IDS).logits, reference(input_ids=IDS).logits
+    assert TOL.allclose(got.numpy(), want.numpy()), f"max error {(got - want).abs().max():.3g}"
+
+
+def test_a_truncated_checkpoint_that_fits_is_refused_before_reading(tmp_path, capsys, monkeypatch):
+    no_loading(monkeypatch)
+    folder = saved(tmp_path / "llama", llama())
+    truncated_after_header(folder / "model.safetensors")
+    code, _, err = export(capsys, "--hf", folder, "-o", tmp_path / "m.onnx")
+    assert code == 2 and "the file is truncated or corrupt" in err, err
+
+
 def test_weights_rope_export_cannot_read_are_never_replaced_by_random_ones(tmp_path, capsys):
     llama().save_pretrained(tmp_path)
     torch.save({}, tmp_path / "consolidated.00.pth")
@@ -252,13 +318,31 @@ def test_a_config_only_folder_exports_random_weights_and_says_so_first(tmp_path,
 
 def test_random_weights_when_asked_even_beside_a_checkpoint(tmp_path, capsys):
     folder = saved(tmp_path / "llama", llama())
-    code, out, err = export(capsys, "--hf", folder, "--random-weights", "-o", tmp_path / "m.onnx")
+    code, out, err = export(capsys, "--hf", folder, "--random-weights", "--seed", "0", "-o", tmp_path / "m.onnx",
+                            "--summary-json", tmp_path / "s.json")
     assert code == 0, err
     assert summary_first_line(out) == f"{RANDOM_LINE} (--random-weights)"
+    assert json.loads((tmp_path / "s.json").read_text())["weights"] == {"source": "random", "seed": 0}
     got, want = file_logits(tmp_path / "m.onnx"), reference_logits(folder).numpy()
     assert not TOL.allclose(got, want)  # not the trained model
     code, _, err = export(capsys, "--hf", folder, "--random-weights", "--weights", folder, "-o", tmp_path / "n.onnx")
     assert code == 2 and "exclude each other" in err
+
+
+def test_the_python_api_builds_random_weights_only_when_asked_or_from_a_config(tmp_path):
+    folder = saved(tmp_path / "llama", llama())
+    want = reference_logits(folder)
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=IDS, position_ids=positions()).logits
+
+    assert torch.equal(logits(hf.build_hf_model(folder / "config.json")), want)
+    random = hf.build_hf_model(folder, random_weights=True, seed=3)
+    assert not TOL.allclose(logits(random).numpy(), want.numpy())
+    assert torch.equal(logits(random), logits(hf.build_hf_model(llama(), seed=3)))  # a config object: random
+    with pytest.raises(hf.HFExportError, match="exclude each other"):
+        hf.build_hf_model(folder, folder, random_weights=True)
 
 
 # -- (e) a model without RoPE -----------------------------------------------------------------
