@@ -256,10 +256,11 @@ def write_repository(onnx_path: str | os.PathLike, repo: str | os.PathLike, *, b
         if plugin:
             _check_plugin(plugin_path)
     repo.mkdir(parents=True, exist_ok=True)
-    check_writable(folder)
+    anchor = repo / f"{name}.staged"  # the fileio helpers take a file path: the folder itself may exist (--force)
+    check_writable(anchor)
     packaged = Packaged(folder, backend, text, validated, "")
     profile_notes: list[str] = []
-    with staging_dir(folder) as stage:
+    with staging_dir(anchor) as stage:
         model_dir = stage / name
         (model_dir / VERSION).mkdir(parents=True)
         if backend == "tensorrt":
