@@ -85,6 +85,17 @@ class TritonPythonModel:
 '''
 
 
+DESCRIPTION = """\
+Write REPO/NAME, a Triton Inference Server model folder for FILE.onnx (whole or not at all):
+  tensorrt     config.pbtxt, 1/model.plan (--engine, or built here where TensorRT and a GPU exist)
+               and the plugin library beside config.pbtxt; start the server with
+               tritonserver --model-repository REPO --backend-config=tensorrt,plugins=REPO/NAME/LIB
+  onnxruntime  config.pbtxt, 1/model.onnx (the onnx or ort lowering) and 1/model.onnx.data
+  python       as onnxruntime, plus 1/model.py running it with onnxruntime in Triton's Python backend
+config.pbtxt is checked against Triton's ModelConfig schema (tritonclient) before anything is
+written; README.md in the folder says how to serve it and what was checked."""
+
+
 class TritonPackageError(CLIError):
     """A file, option or config that cannot make a Triton model repository; the message says why."""
 
@@ -340,9 +351,11 @@ def _stage_tensorrt(onnx_path: Path, proto: onnx.ModelProto, model_dir: Path, en
 
 def register_triton(stacks) -> None:
     """Add ``triton`` to the sub-commands of ``rope-export package``."""
+    import argparse
+
     p = stacks.add_parser(
         "triton", help="write a Triton Inference Server model repository for an ONNX file",
-        description=__doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "))
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION)
     p.add_argument("onnx", type=Path, metavar="FILE.onnx", help="an export of rope-export (any lowering)")
     p.add_argument("-o", "--output", type=Path, required=True, metavar="REPO", help="the model repository folder")
     p.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="Triton backend (default onnxruntime)")

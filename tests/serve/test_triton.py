@@ -73,6 +73,15 @@ def test_the_schema_check_is_strict():
         triton.validate_config('name: "m"\ninput { name: "x" data_type: TYPE_FLOAT32 dims: [ 1 ] }\n')
 
 
+def test_without_tritonclient_the_command_says_it_did_not_validate(tiny_file, tmp_path, monkeypatch, capsys):
+    for module in ("tritonclient", "tritonclient.grpc", "tritonclient.grpc.model_config_pb2"):
+        monkeypatch.setitem(sys.modules, module, None)  # importing it now fails, as when it is not installed
+    assert cli.main(["package", "triton", str(tiny_file), "-o", str(tmp_path / "repo")]) == 0
+    assert "config.pbtxt: not validated: tritonclient is not installed" in capsys.readouterr().out
+    assert "not validated" in (tmp_path / "repo" / "model" / "README.md").read_text()
+    parse(tmp_path / "repo" / "model")  # the same text, checked here instead
+
+
 def test_without_batching_the_batch_dim_is_an_ordinary_dynamic_dim(tiny_file, tmp_path):
     config = parse(triton.write_repository(tiny_file, tmp_path, max_batch=0).folder)
     assert config.max_batch_size == 0
