@@ -217,6 +217,12 @@ def _readme(p: Packaged, repo: Path, plugin: Path | None, profile_notes: list[st
                   f"`{plugin.name}` before it reads the engine, with the flag above, or with", "", "```",
                   f"LD_PRELOAD={plugin.resolve()} tritonserver --model-repository {repo.resolve()}", "```", "",
                   "The paths are absolute: change them if you move the repository.", ""]
+    if p.backend == "python":
+        lines += ["model.py runs 1/model.onnx with onnxruntime in the Python backend's interpreter, which needs "
+                  "onnxruntime and numpy. With nvidia-pytriton's server: copy "
+                  "`python_backend_stubs/3.X/triton_python_backend_stub` (your Python) into `backends/python/`, "
+                  "pass `--backend-directory` to that `backends`, put `nvidia_pytriton.libs` on LD_LIBRARY_PATH "
+                  "and your virtualenv's `bin` first on PATH (what tests/serve/test_triton.py does).", ""]
     if profile_notes:
         lines += ["Shapes the engine's optimization profile accepts:", ""] + [f"- {n}" for n in profile_notes] + [""]
     lines += [f"config.pbtxt: {p.validated}.", ""]

@@ -153,6 +153,27 @@ def test_tensorrt_backend_without_tensorrt_says_what_is_missing(tiny_file, tmp_p
     assert "plugins=" in packaged.server_command  # where the library goes, once built
 
 
+def test_with_tensorrt_the_engine_is_built_from_the_trt_plugin_lowering(tiny_file, tmp_path, monkeypatch):
+    """Where TensorRT and a GPU exist, rope-export build's own build_engine makes 1/model.plan (faked here)."""
+    from rope_export.passes.lower_trt_plugin import PLUGIN_NAME
+
+    calls = []
+
+    def build_engine(onnx_path, out_path, plugins, shapes=None, *, max_batch=1, say=None):
+        model = onnx.load(onnx_path)
+        calls.append(([n.op_type for n in model.graph.node if n.op_type == PLUGIN_NAME], plugins, max_batch))
+        Path(out_path).write_bytes(b"built")
+
+    monkeypatch.setattr("rope_export.trt.tensorrt_unavailable_reason", lambda: None)
+    monkeypatch.setattr("rope_export.trt.build_engine", build_engine)
+    plugin = elf(tmp_path / "librope_export_trt_plugin.so")
+    folder = triton.write_repository(tiny_file, tmp_path / "repo", backend="tensorrt", plugin=plugin,
+                                     max_batch=3).folder
+    assert calls == [([PLUGIN_NAME, PLUGIN_NAME], [plugin], 3)]  # q and k became plugin nodes
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
+        "1/model.plan", "README.md", "config.pbtxt", plugin.name]  # the lowered file was only a means
+
+
 @pytest.mark.parametrize(("name", "content", "message"), [
     ("librope_export_trt_vc_plugin.so", b"\x7fELF", "Triton opens plugin libraries with dlopen"),
     ("librope_export_trt_plugin.so", b"text", "not a shared library"),
