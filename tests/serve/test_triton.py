@@ -297,31 +297,39 @@ def test_served_by_tritonserver_matches_transformers(tmp_path):
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()
     reference.save_pretrained(folder)
     hf.export_hf(hf.build_hf_model(folder, weights=folder), tmp_path / "llama.onnx")
-    triton.write_repository(tmp_path / "llama.onnx", tmp_path / "repo", backend="python", name="llama")
+    models = {f"llama_{target}": target for target in triton.ORT_TARGETS}  # ai.onnx and com.microsoft rotary
+    for name, target in models.items():
+        triton.write_repository(tmp_path / "llama.onnx", tmp_path / "repo", backend="python", name=name, target=target)
 
     ids = np.array([[3, 17, 99, 5, 42, 7, 200]], dtype=np.int64)
     with torch.no_grad():
         want = reference(torch.from_numpy(ids)).logits.numpy()
     layers = TINY_LLAMA["num_hidden_layers"]
     cache = [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    empty = np.zeros((1, 2, 0, 16), np.float32)
+    served = {}
     with tritonserver(tmp_path / "repo", tmp_path) as (address, proc, log):
         client = grpcclient.InferenceServerClient(address)
         deadline = time.monotonic() + 120
-        while not _ready(client, "llama"):
+        while not all(_ready(client, name) for name in models):
             assert proc.poll() is None, f"tritonserver exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"llama not ready in 120 s: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"models not ready in 120 s: {log.read_text()[-3000:]}"
             time.sleep(0.5)
-        empty = np.zeros((1, 2, 0, 16), np.float32)
-        prefill = _infer(client, "llama", {"input_ids": ids[:, :6], "position_ids": np.arange(6)[None],
-                                           **{f"past_key_values.{i}.{kv}": empty for i in range(layers)
-                                              for kv in ("key", "value")}}, ["logits", *cache])
-        past = {f"past_key_values.{n.split('.', 1)[1]}": prefill[n] for n in cache}
-        decode = _infer(client, "llama", {"input_ids": ids[:, 6:], "position_ids": np.array([[6]]), **past},
-                        ["logits", "present.0.key"])
+        for name in models:
+            prefill = _infer(client, name, {"input_ids": ids[:, :6], "position_ids": np.arange(6)[None],
+                                            **{f"past_key_values.{i}.{kv}": empty for i in range(layers)
+                                               for kv in ("key", "value")}}, ["logits", *cache])
+            past = {f"past_key_values.{n.split('.', 1)[1]}": prefill[n] for n in cache}
+            decode = _infer(client, name, {"input_ids": ids[:, 6:], "position_ids": np.array([[6]]), **past},
+                            ["logits", "present.0.key"])
+            served[name] = prefill, decode
         client.close()
-    assert prefill["logits"].shape == (1, 6, 256) and decode["present.0.key"].shape == (1, 2, 7, 16)
-    np.testing.assert_allclose(prefill["logits"], want[:, :6], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(decode["logits"], want[:, 6:], atol=1e-4, rtol=0)
+    for name, (prefill, decode) in served.items():
+        assert prefill["logits"].shape == (1, 6, 256) and decode["present.0.key"].shape == (1, 2, 7, 16)
+        errors = np.abs(prefill["logits"] - want[:, :6]).max(), np.abs(decode["logits"] - want[:, 6:]).max()
+        print(f"{name}: max abs error vs transformers, prefill {errors[0]:.2e}, decode {errors[1]:.2e}")
+        np.testing.assert_allclose(prefill["logits"], want[:, :6], atol=1e-4, rtol=0, err_msg=name)
+        np.testing.assert_allclose(decode["logits"], want[:, 6:], atol=1e-4, rtol=0, err_msg=name)
 
 
 def _ready(client, model: str) -> bool:
