@@ -299,7 +299,11 @@ def test_served_by_tritonserver_matches_transformers(tmp_path):
     hf.export_hf(hf.build_hf_model(folder, weights=folder), tmp_path / "llama.onnx")
     models = {f"llama_{target}": target for target in triton.ORT_TARGETS}  # ai.onnx and com.microsoft rotary
     for name, target in models.items():
-        triton.write_repository(tmp_path / "llama.onnx", tmp_path / "repo", backend="python", name=name, target=target)
+        folder = triton.write_repository(tmp_path / "llama.onnx", tmp_path / "repo", backend="python", name=name,
+                                         target=target).folder
+        graph = onnx.load(folder / "1" / "model.onnx", load_external_data=False).graph
+        domains = {n.domain for n in graph.node if n.op_type == "RotaryEmbedding"}
+        assert domains == {"" if target == "onnx" else "com.microsoft"}, (target, domains)
 
     ids = np.array([[3, 17, 99, 5, 42, 7, 200]], dtype=np.int64)
     with torch.no_grad():
