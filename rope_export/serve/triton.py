@@ -71,8 +71,9 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                # DLPack both ways, not as_numpy()/Tensor(name, array): the backend's pybind11 numpy glue
-                # predates numpy 2's dtype layout and hands back outputs with no bytes under numpy 2.
+                # DLPack both ways, not as_numpy()/Tensor(name, array): under numpy 2, Tensor(name, array)
+                # answered with outputs of the right shape and no bytes (Triton 2.51's stub; pytriton pins
+                # numpy<2); DLPack does not go through that numpy glue.
                 feeds = {name: numpy.from_dlpack(pb_utils.get_input_tensor_by_name(request, name))
                          for name in self.inputs}
                 results = self.session.run(self.outputs, feeds)
@@ -156,8 +157,11 @@ def config_text(name: str, backend: str, max_batch: int, inputs: list[TensorConf
     lines = [f'name: "{name}"', head, f"max_batch_size: {max_batch}"]
     for key, tensors in (("input", inputs), ("output", outputs)):
         for t in tensors:
-            dims = ", ".join(str(d) for d in t.dims)
-            lines.append(f'{key} {{\n  name: "{t.name}"\n  data_type: {t.data_type}\n  dims: [ {dims} ]\n}}')
+            # Triton wants at least one dim: a tensor of the batch dim only (or a scalar) is written as
+            # [1], reshaped to [] when Triton owns the batch (what its onnxruntime backend's autofill does)
+            dims = ", ".join(str(d) for d in t.dims) or "1"
+            reshape = "\n  reshape {\n    shape: [ ]\n  }" if not t.dims and max_batch > 0 else ""
+            lines.append(f'{key} {{\n  name: "{t.name}"\n  data_type: {t.data_type}\n  dims: [ {dims} ]{reshape}\n}}')
     kind = {"tensorrt": "KIND_GPU", "python": "KIND_CPU"}.get(backend)
     if kind:  # onnxruntime: Triton picks GPU where there is one, else CPU
         lines.append(f"instance_group {{\n  count: 1\n  kind: {kind}\n}}")

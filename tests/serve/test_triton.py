@@ -88,6 +88,22 @@ def test_without_batching_the_batch_dim_is_an_ordinary_dynamic_dim(tiny_file, tm
     assert list(config.input[0].dims) == [-1, -1, 64]
 
 
+def test_a_tensor_of_the_batch_dim_only_is_reshaped_as_triton_wants(tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+    path = tmp_path / "sum.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    batched = parse(triton.write_repository(path, tmp_path / "a").folder).output[0]
+    assert list(batched.dims) == [1] and batched.HasField("reshape") and list(batched.reshape.shape) == []
+    whole = parse(triton.write_repository(path, tmp_path / "b", max_batch=0).folder).output[0]
+    assert list(whole.dims) == [-1] and not whole.HasField("reshape")
+
+
 def test_batching_needs_a_dynamic_first_dim(tmp_path):
     model = onnx.load_from_string(exported_model("tiny").SerializeToString())
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1  # hidden_states [1, seq, 64]
