@@ -287,7 +287,12 @@ def write_repository(onnx_path: str | os.PathLike, repo: str | os.PathLike, *, b
         if backend == "tensorrt":
             profile_notes = _stage_tensorrt(onnx_path, proto, model_dir, engine, plugin_path, max_batch, packaged, say)
         else:
-            _stage_onnx(onnx_path, model_dir / VERSION / "model.onnx", target, external, say)
+            opset = _stage_onnx(onnx_path, model_dir / VERSION / "model.onnx", target, external, say)
+            if target == "onnx" and opset >= 23:  # Triton images carry the onnxruntime of their release
+                packaged.notes.append(
+                    f"1/model.onnx uses ai.onnx opset {opset} (RotaryEmbedding-23): the server's onnxruntime must "
+                    "implement that opset; for an older one write --target ort (com.microsoft RotaryEmbedding)")
+                say(f"note: {packaged.notes[-1]}")
             if backend == "python":
                 (model_dir / VERSION / "model.py").write_text(PYTHON_MODEL)
         # tensorrt: the flag names the library's place in the folder even when it is not built yet
@@ -300,8 +305,9 @@ def write_repository(onnx_path: str | os.PathLike, repo: str | os.PathLike, *, b
     return packaged
 
 
-def _stage_onnx(onnx_path: Path, target_path: Path, target: str, external: str, say) -> None:
-    """The file lowered to ``target`` (a no-op for a file already lowered), its weights beside it."""
+def _stage_onnx(onnx_path: Path, target_path: Path, target: str, external: str, say) -> int:
+    """The file lowered to ``target`` (a no-op for a file already lowered), its weights beside it;
+    returns its ai.onnx opset."""
     from rope_export.passes import LoweringLog, load_ir, lower, save_model
 
     log = LoweringLog()
@@ -310,6 +316,7 @@ def _stage_onnx(onnx_path: Path, target_path: Path, target: str, external: str, 
     save_model(model, target_path, external=external)  # into the staging folder: its paths mean nothing to a user
     for note in log.notes:
         say(f"note: {note}")
+    return max((v for k, v in model.opset_imports.items() if k in ("", "ai.onnx")), default=0)
 
 
 def _stage_tensorrt(onnx_path: Path, proto: onnx.ModelProto, model_dir: Path, engine, plugin_path: Path, max_batch: int,

@@ -118,6 +118,7 @@ def test_onnxruntime_backend_serves_the_lowering_with_its_weights_beside_it(tiny
     folder = triton.write_repository(tiny_file, tmp_path / "repo", backend="onnxruntime", target="ort").folder
     served = folder / "1" / "model.onnx"
     assert sorted(p.name for p in (folder / "1").iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert "opset" not in (folder / "README.md").read_text()  # the ort lowering needs no opset-23 onnxruntime
     graph = onnx.load(served, load_external_data=False)
     assert {(n.domain, n.op_type) for n in graph.graph.node if n.op_type == "RotaryEmbedding"} == {
         ("com.microsoft", "RotaryEmbedding")}
@@ -218,6 +219,7 @@ def test_the_command_line(tiny_file, tmp_path, capsys):
     assert cli.main(["package", "triton", str(tiny_file), "-o", str(tmp_path / "repo"), "--name", "m"]) == 0
     out = capsys.readouterr().out
     assert "validated against Triton's ModelConfig schema" in out
+    assert "note: 1/model.onnx uses ai.onnx opset 23 (RotaryEmbedding-23)" in out  # the default target, onnx
     assert f"serve it with: tritonserver --model-repository {(tmp_path / 'repo').resolve()}" in out
     assert cli.main(["package", "triton", str(tiny_file), "-o", str(tmp_path / "repo"), "--name", "m",
                      "--engine", "x.plan"]) == 2
