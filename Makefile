@@ -48,6 +48,15 @@ $(TRT_LEAN10_DIR)/.installed: $(STAMP)
 		--target $(TRT_LEAN10_DIR) '$(TRT_LEAN10_SPEC)'
 	touch $@
 
+# Triton Inference Server's real tritonserver (Python backend only) from the nvidia-pytriton wheel, in a
+# folder of its own: its numpy<2 pin must not reach the venv. tests/serve/test_triton.py serves through it.
+PYTRITON_SPEC ?= nvidia-pytriton==0.7.0
+PYTRITON_DIR := build/pytriton
+$(PYTRITON_DIR)/.installed: $(STAMP)
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-deps --no-warn-script-location \
+		--target $(PYTRITON_DIR) '$(PYTRITON_SPEC)'
+	touch $@
+
 trt-lean: setup $(if $(TENSORRT_INCLUDE_DIR),$(VENV)/.trt-lean) $(if $(TENSORRT10_INCLUDE_DIR),$(TRT_LEAN10_DIR)/.installed)
 
 demo: setup plugin
@@ -60,7 +69,7 @@ lint: setup
 # onnxruntime on tiny models (pytest took 15 min in one process here, 8.5 min in two). Each worker
 # is one more Python process with torch loaded; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: lint plugin trt-lean
+test: lint plugin trt-lean $(PYTRITON_DIR)/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # The tests marked slow, left out of `make test` (minutes; the real-size ones take ~3 GB of memory and
@@ -73,7 +82,8 @@ test-slow: setup plugin
 # The lock: resolve the newest releases with pip in a throwaway virtualenv, write requirements/lock.txt
 # and print what changed. Then run `make test` (it reinstalls from the new lock) before committing it.
 lock:
-	TORCH_SPEC='$(TORCH_SPEC)' TRT_LEAN10_SPEC='$(TRT_LEAN10_SPEC)' $(PYTHON) scripts/versions.py lock
+	TORCH_SPEC='$(TORCH_SPEC)' TRT_LEAN10_SPEC='$(TRT_LEAN10_SPEC)' PYTRITON_SPEC='$(PYTRITON_SPEC)' \
+		$(PYTHON) scripts/versions.py lock
 
 # The drift lane (not part of `make test`): the newest release of everything, no lock, in its own
 # virtualenv; the suite with the quick zoo, then a table of what differs from the lock and what broke.

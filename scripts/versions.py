@@ -6,8 +6,8 @@
 ``lock`` resolves with pip itself, in a throwaway virtualenv: torch first (the CPU build on this
 machine's disk, ``TORCH_SPEC``), then the package with its ``dev`` and ``trt-lean`` extras and the
 build backend, with no constraint but the machine's own; ``pip freeze`` of that virtualenv is the
-lock, plus pip's ``--report`` of the TensorRT 10 lean runtime that ``make test`` installs into a
-folder of its own. It then prints what changed against the previous lock. ``make demo`` and
+lock, plus pip's ``--report`` of what ``make test`` installs into folders of its own (TensorRT 10's lean
+runtime, nvidia-pytriton's server). It then prints what changed against the previous lock. ``make demo`` and
 ``make test`` install with ``--constraint requirements/lock.txt``, so a fresh clone installs exactly
 these versions.
 
@@ -32,7 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements" / "lock.txt"
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
-TRT_LEAN10_SPEC = os.environ.get("TRT_LEAN10_SPEC", "tensorrt-lean-cu12==10.16.0.72")
+# What make test installs into folders of their own (pip --target), each with pip's options for it.
+FOLDER_INSTALLS = (
+    (os.environ.get("TRT_LEAN10_SPEC", "tensorrt-lean-cu12==10.16.0.72"), ()),  # TensorRT 10's lean runtime
+    (os.environ.get("PYTRITON_SPEC", "nvidia-pytriton==0.7.0"), ("--no-deps",)),  # tritonserver; pins numpy<2
+)
 # The project itself and what pip brings with every virtualenv: not pinned.
 UNPINNED = {"rope-export", "pip"}
 
@@ -83,10 +87,11 @@ def resolve_newest(workdir: Path) -> dict[str, str]:
         if "==" in line:
             name, version = line.split("==", 1)
             pins[canonical(name)] = version
-    report = workdir / "lean10.json"
-    _pip(python, "install", "--quiet", "--dry-run", "--ignore-installed", "--report", str(report), TRT_LEAN10_SPEC)
-    for item in json.loads(report.read_text())["install"]:
-        pins[canonical(item["metadata"]["name"])] = item["metadata"]["version"]
+    for n, (spec, options) in enumerate(FOLDER_INSTALLS):
+        report = workdir / f"folder{n}.json"
+        _pip(python, "install", "--quiet", "--dry-run", "--ignore-installed", *options, "--report", str(report), spec)
+        for item in json.loads(report.read_text())["install"]:
+            pins[canonical(item["metadata"]["name"])] = item["metadata"]["version"]
     return {k: v for k, v in pins.items() if k not in UNPINNED}
 
 
@@ -140,7 +145,7 @@ def failures(junit: Path) -> list[tuple[str, str]]:
 def cmd_drift(args) -> int:
     lock = read_pins(LOCK)
     moved = [(name, was, now) for name, was, now in changes(lock, installed())
-             if now != "-" and not name.startswith("tensorrt-lean-cu12")]  # that runtime lives in its own folder
+             if now != "-"]
     print(f"\nThe newest releases against {LOCK.relative_to(ROOT)}: {len(moved)} packages differ")
     if moved:
         print(table(moved, ("package", "lock", "newest")))
