@@ -180,11 +180,19 @@ def _check_dynamic(model: onnx.ModelProto, position_rank: int) -> None:
             )
 
 
-def _name_dims(model: onnx.ModelProto, position_rank: int, layout: CacheLayout) -> None:
-    """batch/seq/past names for the I/O's symbolic dims (past+seq on the presents)."""
+def _name_dims(model: onnx.ModelProto, position_rank: int, layout: CacheLayout, attention_mask: bool = False) -> None:
+    """batch/seq/past names for the I/O's symbolic dims (past+seq on the presents and the attention mask)."""
     first_kv = next((n for n, axis in enumerate(layout.past_axes()) if axis == 2), None)
+    first_past = 3 if attention_mask else 2
     rename_dynamic_dims(model, batch_seq=(1, 1 if position_rank == 3 else 0),
-                        past=None if first_kv is None else 2 + first_kv)
+                        past=None if first_kv is None else first_past + first_kv)
+    if attention_mask:  # torch names the mask's length a symbol of its own (past+seq is not a Dim it can declare)
+        total = model.graph.input[2].type.tensor_type.shape.dim[1]
+        old, total.dim_param = total.dim_param, "past+seq"
+        for value in [*model.graph.input, *model.graph.output]:
+            for dim in value.type.tensor_type.shape.dim:
+                if old and dim.dim_param == old:
+                    dim.dim_param = "past+seq"
     ids_seq = model.graph.input[0].type.tensor_type.shape.dim[1]
     if ids_seq.dim_param and ids_seq.dim_param != "seq":  # torch left input_ids' seq a symbol of its own
         old = ids_seq.dim_param
@@ -210,15 +218,19 @@ def _fuse(program, notes: list[str], hooked: bool = False) -> None:
                  "rotary node(s)")
 
 
-def _wrapper(model, layer, inputs, layout, position_rank, seed):
+def _wrapper(model, layer, inputs, layout, position_rank, seed, attention_mask=False):
     """(module to trace, its inputs, dynamic shapes, input names, output names, kind)."""
     b, s, p = _dims(layout.has_states)
     pos_shape = {1: b, 2: s} if position_rank == 3 else {0: b, 1: s}
     if layer is None:
-        input_names, output_names = hf_io_names(layout)
+        input_names, output_names = hf_io_names(layout, attention_mask=attention_mask)
         past = tuple({0: b} if axis is None else {0: b, axis: p} for axis in layout.past_axes())
-        return (CausalLMWithCache(model, layout).eval(), inputs, ({0: b, 1: s}, pos_shape, past), input_names,
-                output_names, "hf-causal-lm")
+        # The mask's length is past+seq; torch.export cannot declare a sum of two Dims, so it infers it.
+        mask = ({0: b, 1: torch.export.Dim.DYNAMIC},) if attention_mask else ()
+        module = CausalLMWithCache(model, layout, attention_mask=attention_mask).eval()
+        return (module, inputs, ({0: b, 1: s}, pos_shape, (*mask, *past)), input_names, output_names, "hf-causal-lm")
+    if attention_mask:
+        raise HFExportError("an attention_mask input is for whole models; --layer exports take none")
     module = AttentionWithCache(model, layer).eval()
     index = module.attention.layer_idx
     slot = next((n for n, io in enumerate(layout.layers) if io.index == index), None)
@@ -245,6 +257,7 @@ def export_hf(
     weights: str | None = None,
     seed: int = 0,
     example: tuple[int, int, int] | None = None,
+    attention_mask: bool = False,
     external: str = "auto",
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
@@ -262,8 +275,11 @@ def export_hf(
     unless ``allow_decomposed`` (then a warning and a note). ``example`` is (batch, seq, past) of
     the tracing inputs (default (2, 4, 3); (2, 5, 3) for hybrids, whose chunked scans must not see a
     sequence that divides their chunk size); use seq >= 2 (torch.export fixes a dim whose example
-    size is 1). ``external``: where the weights go (``onnx_files.EXTERNAL_DATA``); they are streamed
-    from the model's tensors to disk, never copied into one ModelProto.
+    size is 1). ``attention_mask``: the file takes an ``attention_mask`` input [B, past+S] after
+    ``position_ids`` (1: a real token, 0: padding), as transformers' ``generate`` passes for padded
+    batches; without it every key is attended causally. ``external``: where the weights go
+    (``onnx_files.EXTERNAL_DATA``); they are streamed from the model's tensors to disk, never copied
+    into one ModelProto.
     """
     say = progress or (lambda message: None)
     if fallback not in FALLBACKS:
@@ -279,9 +295,10 @@ def export_hf(
         check_sliding_layers(model)
         batch, seq, past = example or ((2, 5, 3) if layout.has_states else (2, 4, 3))
         inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
-                                   position_rank=fam.position_rank, layout=layout)
+                                   position_rank=fam.position_rank, layout=layout,
+                                   attention_mask=attention_mask and layer is None)
         module, inputs, shapes, input_names, output_names, kind = _wrapper(model, layer, inputs, layout,
-                                                                            fam.position_rank, seed)
+                                                                            fam.position_rank, seed, attention_mask)
         say("counting the rotations transformers performs in one eager forward")
         with recorded_calls() as called:
             census = eager_rotations(module, inputs)
@@ -306,7 +323,7 @@ def export_hf(
         _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
     onnx_model = graph_proto(program)  # the graph to edit; the weights stay in torch until finish_export
     _check_dynamic(onnx_model, fam.position_rank)
-    _name_dims(onnx_model, fam.position_rank, layout)
+    _name_dims(onnx_model, fam.position_rank, layout, attention_mask)
     say("comparing the eager rotations with the file's rotary nodes")
     report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
                                notes=notes)
