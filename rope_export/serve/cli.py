@@ -13,7 +13,8 @@ GENAI_DESCRIPTION = (
     "generation_config.json), and the tokenizer files of the model folder. From --hf MODEL_DIR the model is "
     "exported with an attention_mask input, so batches with padding work; onnxruntime-genai 0.18 takes a padded "
     "batch padded on the right with pad_token_id (it finds the pads from the end of each row) and generates what "
-    "transformers' left-padded generate does. The KV cache grows by Concat (past_present_share_buffer false). "
+    "transformers' left-padded generate does. The KV cache grows by Concat (past_present_share_buffer false), or "
+    "with --kv-buffer is a buffer per layer updated in place (past_present_share_buffer true). "
     "OUT_DIR must be new, empty, or an earlier package (replaced); it appears complete or not at all."
 )
 
@@ -38,6 +39,10 @@ def _add_genai(packagers) -> None:
                         help="how the rotary nodes are lowered: onnx (ai.onnx RotaryEmbedding-23, default) or ort "
                              "(com.microsoft RotaryEmbedding)")
     parser.add_argument("--output", "-o", required=True, metavar="OUT_DIR", help="the folder to write")
+    parser.add_argument("--kv-buffer", action="store_true",
+                        help="with --hf: the KV cache is a preallocated buffer per layer updated in place "
+                             "(TensorScatter-24 + Attention-24, opset 24; past_present_share_buffer true), so a decode "
+                             "step does not copy the whole past; refused for attention soft-capping (Gemma-2)")
     parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="with --hf: precision")
     parser.add_argument("--seed", type=int, default=0, help="with --hf and no weights: the random weights' seed")
     add_output_arguments(parser)
@@ -66,7 +71,7 @@ def _run_genai(args) -> int:
     with cli_steps(console, f"rope-export package genai: {args.output}", args.summary_json) as steps:
         package = package_genai(args.output, model=args.model, hf=args.hf, weights=args.weights,
                                 tokenizer=args.tokenizer, target=args.target, dtype=args.dtype, seed=args.seed,
-                                external=args.external_data, progress=steps)
+                                external=args.external_data, kv_buffer=args.kv_buffer, progress=steps)
         steps.add_files([(path, path.stat().st_size) for path in package.files])
     decoder = package.config["model"]["decoder"]
     table = Table(title=f"{package.folder} (onnxruntime-genai)")

@@ -8,8 +8,10 @@ ONNX I/O names and the search defaults. The config is generated, never hand-writ
 * heads, kv heads and head size come from the file's past inputs (what the graph really takes),
   layers from how many there are, hidden size / context length / token ids from the transformers
   config (``generation_config.json`` beside it wins for token ids and search defaults);
-* ``past_present_share_buffer`` is false: the file's present cache grows by Concat (past+seq), so
-  genai must hand each step's present back as the next past instead of writing into one buffer;
+* ``past_present_share_buffer`` is false when the file's present cache grows by Concat (past+seq):
+  genai hands each step's present back as the next past; true for a KV buffer file
+  (``export_hf(kv_buffer=True)``, ``rope_export.hf.kv_buffer``), whose presents are its past
+  buffers [batch, kv_heads, max_length, head] updated in place;
 * the model type is genai's generic ``decoder``: the graph is self-contained, genai needs nothing
   model-specific (its own builder's types would only matter for graphs it built).
 
@@ -215,12 +217,13 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
                   hf: str | os.PathLike | None = None, weights: str | os.PathLike | None = None,
                   tokenizer: str | os.PathLike | None = None,
                   target: str = "onnx", dtype: str = "fp32", seed: int = 0, external: str = "auto",
-                  progress: Callable[[str], None] | None = None) -> GenaiPackage:
+                  kv_buffer: bool = False, progress: Callable[[str], None] | None = None) -> GenaiPackage:
     """Write an onnxruntime-genai folder ``out``: ``model.onnx`` lowered to ``target``, ``genai_config.json``
     and the tokenizer files.
 
     Either ``model``: an ``export --hf`` file (its transformers config is read from its metadata), or
     ``hf``: a transformers folder or config.json, exported here with an ``attention_mask`` input
+    (``kv_buffer``: with preallocated KV buffers updated in place, ``past_present_share_buffer: true``)
     (``weights``: the folder with its weights; default the ``hf`` folder when it holds weights, else
     random weights, ``seed``). ``tokenizer``: the folder to copy tokenizer files and
     ``generation_config.json``'s defaults from (default: the ``hf`` folder).
@@ -236,18 +239,19 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
         raise ServeError(f"target {target!r}: onnxruntime-genai runs {' or '.join(TARGETS)}")
     out = Path(out)
     _check_output(out)
-    check_writable(out)
+    beside = out.with_name(out.name + ".package")  # check_writable and staging_dir take a file's path, not a folder's
+    check_writable(beside)
     hf_dir = _hf_folder(hf)
     source = _hf_folder(tokenizer) if tokenizer is not None else hf_dir
     notes: list[str] = []
-    with staging_dir(out) as stage:
+    with staging_dir(beside) as stage:
         folder = stage / "package"
         folder.mkdir()
         if hf is not None:
             exported = stage / "exported.onnx"
             if weights is None and _has_weights(hf_dir):
                 weights = hf_dir
-            _export(hf, exported, weights=weights, dtype=dtype, seed=seed, progress=say)
+            _export(hf, exported, weights=weights, dtype=dtype, seed=seed, kv_buffer=kv_buffer, progress=say)
             if weights is None:
                 notes.append(f"random weights (seed {seed}): {hf} holds no weights and no --weights was given")
             model = exported
@@ -266,7 +270,9 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
             notes.append("the file takes no attention_mask: batches with padding attend to the pad tokens; "
                          "re-export with `rope-export export --hf ... --attention-mask`")
         generation = _read_json(source / "generation_config.json") if source is not None else None
-        config = genai_config(graph, hf_config, generation=generation)
+        # a file whose presents are its pasts updated in place (export_hf(kv_buffer=True)) shares the buffers
+        share = any(node.op_type == "TensorScatter" for node in graph.node)
+        config = genai_config(graph, hf_config, generation=generation, share_buffer=share)
         (folder / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         copied = []
         if source is not None:
@@ -303,12 +309,12 @@ def _file_config(ir_model, path):
         raise ServeError(f"{path}: transformers cannot rebuild its {model_type!r} config: {exc}") from None
 
 
-def _export(hf, output: Path, *, weights, dtype: str, seed: int, progress) -> None:
+def _export(hf, output: Path, *, weights, dtype: str, seed: int, kv_buffer: bool, progress) -> None:
     """``export_hf`` with an attention_mask input, so that padded batches are served right."""
     from rope_export.hf import build_hf_model, export_hf
 
     progress(f"building the model from {hf}" + (f" with weights from {weights}" if weights else
                                                  f" (random weights, seed {seed})"))
     model = build_hf_model(hf, weights, dtype=dtype, seed=seed, progress=progress)
-    export_hf(model, output, attention_mask=True, weights=None if weights is None else str(weights), seed=seed,
-              progress=progress)
+    export_hf(model, output, attention_mask=True, kv_buffer=kv_buffer,
+              weights=None if weights is None else str(weights), seed=seed, progress=progress)

@@ -67,20 +67,27 @@ def build(family: str):
     return build_hf_model(FAMILIES[family][0](), seed=0)
 
 
+BUFFER_DEFAULT = ("gpt_neox", "llama")
+BUFFER_MATRIX = [pytest.param(name, marks=() if name in BUFFER_DEFAULT else pytest.mark.slow)
+                 for name in FAMILIES if name != "gemma2"]  # Gemma-2's soft-capping is refused (test below)
+
+
 @pytest.fixture(scope="module")
 def packaged(tmp_path_factory):
-    """family -> (transformers model, genai folder), built once per module."""
-    made = {}
+    """(family, kv_buffer) -> (transformers model, genai folder), built once per module."""
+    made, models = {}, {}
 
-    def get(family: str):
-        if family not in made:
+    def get(family: str, kv_buffer: bool = False):
+        if (family, kv_buffer) not in made:
             root = tmp_path_factory.mktemp(family)
-            model = build(family)
+            if family not in models:
+                models[family] = build(family)
+            model = models[family]
             model.save_pretrained(root / "hf")
             out = root / "genai"
-            package_genai(out, hf=root / "hf", weights=root / "hf", target=FAMILIES[family][1])
-            made[family] = model, out
-        return made[family]
+            package_genai(out, hf=root / "hf", weights=root / "hf", target=FAMILIES[family][1], kv_buffer=kv_buffer)
+            made[family, kv_buffer] = model, out
+        return made[family, kv_buffer]
 
     return get
 
@@ -124,6 +131,32 @@ def test_genai_generates_transformers_tokens(family, packaged):
     # each row of the padded batch is what that prompt alone gives (padding changed nothing)
     assert [batch[1]] == transformers_generate(model, PROMPTS[1:]), family
     assert len({tuple(row) for row in batch}) == 2  # the rows differ: the comparison sees each prompt
+
+
+@pytest.mark.parametrize("family", BUFFER_MATRIX)
+def test_kv_buffer_folder_shares_the_buffers_and_generates_transformers_tokens(family, packaged):
+    """--kv-buffer: each past is a [batch, kv_heads, max_length, head] buffer genai binds as the present too."""
+    import onnx
+
+    model, folder = packaged(family, kv_buffer=True)
+    config = json.loads((folder / GENAI_CONFIG).read_text())
+    assert config["search"]["past_present_share_buffer"] is True
+    graph = onnx.load(str(folder / MODEL_FILE), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    layers = config["model"]["decoder"]["num_hidden_layers"]
+    assert ops.count("TensorScatter") == 2 * layers and ops.count("Attention") == layers
+    # no present is a Concat of its past any more: the step writes only its own tokens
+    producers = {out: n.op_type for n in graph.node for out in n.output}
+    assert {producers[o.name] for o in graph.output if o.name.startswith("present.")} == {"TensorScatter"}
+    assert genai_generate(folder, PROMPTS[:1]) == transformers_generate(model, PROMPTS[:1]), family
+    assert genai_generate(folder, PROMPTS) == transformers_generate(model, PROMPTS), family
+
+
+def test_kv_buffer_refuses_attention_soft_capping():
+    from rope_export.hf import HFExportError, export_hf
+
+    with pytest.raises(HFExportError, match="soft-capping"):
+        export_hf(build("gemma2"), kv_buffer=True)
 
 
 def test_config_reads_the_files_geometry_and_token_ids(packaged):
