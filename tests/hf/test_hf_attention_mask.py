@@ -80,3 +80,36 @@ def test_attention_mask_option_needs_hf_and_refuses_layer(tmp_path, capsys):
     assert "--attention-mask need --hf" in capsys.readouterr().err
     with pytest.raises(hf.HFExportError, match="whole models"):
         hf.export_hf(_model("llama"), layer=0, attention_mask=True)
+
+
+def test_kv_buffer_export_matches_transformers_and_writes_only_the_new_tokens():
+    """export_hf(kv_buffer=True): pasts are [B, KVH, max_length, D] buffers; the step's keys land at past.."""
+    model = _model("llama")
+    result = hf.export_hf(model, kv_buffer=True)
+    ops = {(n.domain, n.op_type) for n in result.model.graph.node}
+    assert ("", "TensorScatter") in ops and ("", "Attention") in ops
+    assert not any(n.domain == "rope_export.kv" for n in result.model.graph.node)
+    assert [d.dim_param for d in result.model.graph.input[3].type.tensor_type.shape.dim][2] == "max_length"
+    names, run = _session(result.model)
+    length = 12  # the buffers' length, past the tokens used
+    ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 11, 12, 13]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    buffers = [np.full((2, 2, length, 8), 7.0, np.float32) for _ in result.layout.layers for _ in range(2)]
+    got = run(dict(zip(names, [ids.numpy(), pos.numpy(), mask.numpy(), *buffers], strict=True)))
+    cache = hf.make_cache(model)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    real = mask.bool().numpy()
+    assert TOL.allclose(got[0][real], want.logits.numpy()[real])
+    key0 = got[1]
+    assert key0.shape == (2, 2, length, 8)
+    assert TOL.allclose(key0[:, :, :5], cache.layers[0].keys.numpy())
+    assert (key0[:, :, 5:] == 7.0).all()  # the rest of the buffer is left as it was
+    nxt, mask2 = torch.tensor([[20], [21]]), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], -1)
+    pos2 = pos[:, -1:] + 1
+    with torch.no_grad():
+        want2 = model(input_ids=nxt, attention_mask=mask2, position_ids=pos2, past_key_values=cache, use_cache=True)
+    got2 = run(dict(zip(names, [nxt.numpy(), pos2.numpy(), mask2.numpy(), *got[1:]], strict=True)))
+    assert TOL.allclose(got2[0], want2.logits.numpy()), np.abs(got2[0] - want2.logits.numpy()).max()
+    assert TOL.allclose(got2[1][:, :, :6], cache.layers[0].keys.numpy()) and (got2[1][:, :, 6:] == 7.0).all()
