@@ -29,6 +29,11 @@ def register_hf_arguments(parser) -> None:
     group.add_argument("--attention-mask", action="store_true", default=None,
                        help="the file takes an attention_mask input [batch, past+seq] (1: a token, 0: padding) after "
                             "position_ids, for batches with padding (onnxruntime-genai passes one)")
+    group.add_argument("--kv-buffer", action="store_true", default=None,
+                       help="each past is a preallocated buffer [batch, kv_heads, max_length, head] returned "
+                            "updated in place (TensorScatter-24 + Attention-24, opset 24; implies --attention-mask), "
+                            "so a decode step does not copy the whole past (onnxruntime-genai: "
+                            "past_present_share_buffer true)")
     group.add_argument("--hf-family", choices=sorted(HF_FAMILIES), default=None,
                        help="override: accept only this family's rotary form (still checked numerically)")
     group.add_argument("--hf-fallback", choices=FALLBACKS, default="auto",
@@ -52,7 +57,7 @@ def register(subparsers) -> None:
 def wants_hf_export(args) -> bool:
     """Whether ``export`` was called with any of the --hf options (then ``run_hf_export`` handles it)."""
     return any(getattr(args, name, None) is not None
-               for name in ("hf", "weights", "layer", "hf_family", "attention_mask"))
+               for name in ("hf", "weights", "layer", "hf_family", "attention_mask", "kv_buffer"))
 
 
 def run_hf_export(args) -> int:
@@ -68,7 +73,8 @@ def run_hf_export(args) -> int:
     except ImportError:
         raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
     if args.hf is None:
-        raise HFExportError("--weights, --layer, --hf-family and --attention-mask need --hf CONFIG_DIR_OR_JSON")
+        raise HFExportError("--weights, --layer, --hf-family, --attention-mask and --kv-buffer need "
+                            "--hf CONFIG_DIR_OR_JSON")
     for option, default in (("cache_len", None), ("compare_decomposed", False), ("module", None)):
         if getattr(args, option, default) not in (None, False):
             raise HFExportError(
@@ -83,7 +89,7 @@ def run_hf_export(args) -> int:
         model = build_hf_model(args.hf, args.weights, dtype=args.dtype, seed=args.seed, progress=progress)
         result = export_hf(model, args.output, layer=args.layer, family=args.hf_family, fallback=args.hf_fallback,
                            allow_decomposed=getattr(args, "allow_decomposed", False), opset=args.opset,
-                           attention_mask=bool(args.attention_mask),
+                           attention_mask=bool(args.attention_mask), kv_buffer=bool(args.kv_buffer),
                            external=args.external_data, weights=args.weights, seed=args.seed, progress=progress,
                            verbose=args.verbose)
         progress.add_files(output_files(args.output))

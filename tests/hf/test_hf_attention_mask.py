@@ -77,7 +77,7 @@ def test_padded_prefill_and_decode_match_transformers(family):
 
 def test_attention_mask_option_needs_hf_and_refuses_layer(tmp_path, capsys):
     assert cli.main(["export", "--attention-mask", "-o", str(tmp_path / "m.onnx")]) == 2
-    assert "--attention-mask need --hf" in capsys.readouterr().err
+    assert "--kv-buffer need --hf" in capsys.readouterr().err
     with pytest.raises(hf.HFExportError, match="whole models"):
         hf.export_hf(_model("llama"), layer=0, attention_mask=True)
 
