@@ -134,7 +134,7 @@ def test_genai_generates_transformers_tokens(family, packaged):
 
 
 @pytest.mark.parametrize("family", BUFFER_MATRIX)
-def test_kv_buffer_folder_shares_the_buffers_and_generates_transformers_tokens(family, packaged):
+def test_kv_buffer_folder_shares_the_buffers_and_generates_transformers_tokens(family, packaged, tmp_path):
     """--kv-buffer: each past is a [batch, kv_heads, max_length, head] buffer genai binds as the present too."""
     import onnx
 
@@ -150,6 +150,9 @@ def test_kv_buffer_folder_shares_the_buffers_and_generates_transformers_tokens(f
     assert {producers[o.name] for o in graph.output if o.name.startswith("present.")} == {"TensorScatter"}
     assert genai_generate(folder, PROMPTS[:1]) == transformers_generate(model, PROMPTS[:1]), family
     assert genai_generate(folder, PROMPTS) == transformers_generate(model, PROMPTS), family
+    # packaging such a file again (MODEL.onnx) sees its buffers: the config shares them too
+    again = package_genai(tmp_path / "again", model=folder / MODEL_FILE)
+    assert again.config["search"]["past_present_share_buffer"] is True
 
 
 def test_kv_buffer_refuses_attention_soft_capping():
