@@ -32,7 +32,7 @@ COMMAND_MODULES = [
     "rope_export.trt",
     "rope_export.bench",
     "rope_export.demo",
-    "rope_export.serve.cli",  # package: serving stacks (Triton, ...)
+    "rope_export.serve.cli",  # package: serving stacks (Triton, onnxruntime-genai)
 ]
 DEBUG_ENV = "ROPE_EXPORT_DEBUG"
 # Libraries that log exceptions with their tracebacks (onnx_ir's shape inference does, before our

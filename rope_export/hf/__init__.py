@@ -12,7 +12,9 @@ the file. The modules:
 * ``loading``: building a model offline from a local config and weights;
 * ``hooking``: the rotary hook on the model's own functions, and the guard that keeps the model
   unchanged;
-* ``cache_io``: per-layer cache geometry, the wrappers with flat past/present tensors;
+* ``cache_io``: per-layer cache geometry, the wrappers with flat past/present tensors (and an
+  optional attention_mask input);
+* ``kv_buffer``: the cache as preallocated buffers updated in place (``export_hf(kv_buffer=True)``);
 * ``counting``: the eager rotation count against the file;
 * ``metadata``: the ``rope_export.*`` metadata, and reading it back;
 * ``exporting``: ``export_hf``;

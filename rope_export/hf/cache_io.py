@@ -236,16 +236,20 @@ def cache_layout(model) -> CacheLayout:
     return CacheLayout(tuple(layers), len(filled.layers))
 
 
-def hf_io_names(layout: CacheLayout | int) -> tuple[list[str], list[str]]:
-    """Graph input and output names of a causal-LM export (the optimum / onnxruntime-genai convention)."""
+def hf_io_names(layout: CacheLayout | int, *, attention_mask: bool = False) -> tuple[list[str], list[str]]:
+    """Graph input and output names of a causal-LM export (the optimum / onnxruntime-genai convention);
+    ``attention_mask`` [B, past+S] (1: a real token, 0: padding) follows ``position_ids`` when asked for."""
     if isinstance(layout, int):
         layout = CacheLayout.uniform(layout)
-    return ["input_ids", "position_ids", *layout.input_names()], ["logits", *layout.output_names()]
+    mask = ["attention_mask"] if attention_mask else []
+    return ["input_ids", "position_ids", *mask, *layout.input_names()], ["logits", *layout.output_names()]
 
 
 def hf_example_inputs(model, *, batch: int = 2, seq: int = 4, past: int = 3, seed: int = 0,
-                      position_rank: int | None = None, layout: CacheLayout | None = None) -> tuple[torch.Tensor, ...]:
-    """Inputs of ``CausalLMWithCache(model)``: ids, positions past..past+S-1, random past cache tensors."""
+                      position_rank: int | None = None, layout: CacheLayout | None = None,
+                      attention_mask: bool = False) -> tuple[torch.Tensor, ...]:
+    """Inputs of ``CausalLMWithCache(model)``: ids, positions past..past+S-1, (an all-ones attention mask
+    [B, past+S] when asked for,) random past cache tensors."""
     if position_rank is None:
         model_type = model.config.model_type
         position_rank = MODEL_TYPES[model_type].position_rank if model_type in MODEL_TYPES else 2
@@ -258,7 +262,8 @@ def hf_example_inputs(model, *, batch: int = 2, seq: int = 4, past: int = 3, see
     dtype = next(model.parameters()).dtype
     tensors = [torch.randn(shape, generator=generator).to(dtype) for io in layout.layers
                for shape in io.shapes(batch, past)]
-    return (ids, positions, *tensors)
+    mask = (torch.ones(batch, past + seq, dtype=torch.long),) if attention_mask else ()
+    return (ids, positions, *mask, *tensors)
 
 
 class CausalLMWithCache(nn.Module):
@@ -266,22 +271,31 @@ class CausalLMWithCache(nn.Module):
 
     ``past`` holds each layer's tensors of ``layout`` in order (keys and values [B, heads, P, width],
     P = 0 for prefill; a hybrid's conv/recurrent states, zeros for prefill); ``position_ids`` is
-    [B, S] ([3, B, S] for Qwen2-VL). A DynamicCache is filled inside.
+    [B, S] ([3, B, S] for Qwen2-VL). A DynamicCache is filled inside. With ``attention_mask``, the
+    first tensor after ``position_ids`` is the [B, P+S] padding mask transformers' ``generate``
+    passes (0: a padding token no query may attend to); without, every key is a real token.
     """
 
-    def __init__(self, model: nn.Module, layout: CacheLayout | int):
+    def __init__(self, model: nn.Module, layout: CacheLayout | int, *, attention_mask: bool = False):
         super().__init__()
         self.model = model
         self.layout = CacheLayout.uniform(layout) if isinstance(layout, int) else layout
+        self.attention_mask = attention_mask
 
     def forward(self, input_ids, position_ids, *past):
+        mask = None
+        if self.attention_mask:
+            if not past:
+                raise HFExportError("expected an attention_mask after position_ids")
+            mask, past = past[0], past[1:]
         expected = len(self.layout.input_names())
         if len(past) != expected:
             raise HFExportError(f"expected {expected} past tensors ({', '.join(self.layout.input_names())}), "
                                 f"got {len(past)}")
         cache = make_cache(self.model)
         self.layout.fill(cache, past)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
+                         use_cache=True)
         return (out.logits, *self.layout.present(out.past_key_values))
 
 

@@ -36,6 +36,14 @@ def register_hf_arguments(parser) -> None:
                             "instead of the error)")
     group.add_argument("--layer", type=int, default=None,
                        help="export only this attention layer (hidden_states, position_ids, past_key, past_value)")
+    group.add_argument("--attention-mask", action="store_true", default=None,
+                       help="the file takes an attention_mask input [batch, past+seq] (1: a token, 0: padding) after "
+                            "position_ids, for batches with padding (onnxruntime-genai passes one)")
+    group.add_argument("--kv-buffer", action="store_true", default=None,
+                       help="each past is a preallocated buffer [batch, kv_heads, max_length, head] returned "
+                            "updated in place (TensorScatter-24 + Attention-24, opset 24; implies --attention-mask), "
+                            "so a decode step does not copy the whole past (onnxruntime-genai: "
+                            "past_present_share_buffer true)")
     group.add_argument("--hf-family", choices=sorted(HF_FAMILIES), default=None,
                        help="override: accept only this family's rotary form (still checked numerically)")
     group.add_argument("--hf-fallback", choices=FALLBACKS, default="auto",
@@ -59,7 +67,8 @@ def register(subparsers) -> None:
 def wants_hf_export(args) -> bool:
     """Whether ``export`` was called with any of the --hf options (then ``run_hf_export`` handles it)."""
     return any(getattr(args, name, None) is not None
-               for name in ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family"))
+               for name in ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family",
+                            "attention_mask", "kv_buffer"))
 
 
 def run_hf_export(args) -> int:
@@ -75,8 +84,8 @@ def run_hf_export(args) -> int:
     except ImportError:
         raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
     if args.hf is None:
-        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer and --hf-family need --hf "
-                            "CONFIG_DIR_OR_JSON")
+        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer, --hf-family, --attention-mask and "
+                            "--kv-buffer need --hf CONFIG_DIR_OR_JSON")
     if args.random_weights and args.weights is not None:
         raise HFExportError("--random-weights and --weights exclude each other: give one")
     for option, default in (("cache_len", None), ("compare_decomposed", False), ("module", None)):
@@ -105,8 +114,10 @@ def run_hf_export(args) -> int:
                                random_weights=weights is None, progress=progress)
         result = export_hf(model, args.output, layer=args.layer, family=args.hf_family, fallback=args.hf_fallback,
                            allow_decomposed=getattr(args, "allow_decomposed", False),
-                           allow_no_rope=bool(args.allow_no_rope), opset=args.opset, external=args.external_data,
-                           weights=None if weights is None else str(weights), seed=args.seed, progress=progress,
+                           allow_no_rope=bool(args.allow_no_rope), opset=args.opset,
+                           attention_mask=bool(args.attention_mask), kv_buffer=bool(args.kv_buffer),
+                           external=args.external_data, weights=None if weights is None else str(weights),
+                           seed=args.seed, progress=progress,
                            verbose=args.verbose)
         progress.add_files(output_files(args.output))
     console.print(weights_line, soft_wrap=True, markup=False, highlight=False)  # the summary's first line

@@ -158,13 +158,13 @@ def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError
     return HFExportError(f"exporting {type(model).__name__} failed: {type(innermost).__name__}: {first[:300]}")
 
 
-def _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose, progress=None):
+def _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose, progress=None, extra=None):
     """torch.onnx's ONNXProgram: its onnx_ir model refers to the torch tensors without copying them."""
     with torch.no_grad(), _quiet_exporter(verbose, progress):
         return torch.onnx.export(
             module, tuple(inputs), dynamo=True, opset_version=opset, input_names=input_names,
             output_names=output_names, dynamic_shapes=dynamic_shapes,
-            custom_translation_table=custom_translation_table(), verbose=True if verbose else None,
+            custom_translation_table={**custom_translation_table(), **(extra or {})}, verbose=True if verbose else None,
         )
 
 
@@ -180,11 +180,19 @@ def _check_dynamic(model: onnx.ModelProto, position_rank: int) -> None:
             )
 
 
-def _name_dims(model: onnx.ModelProto, position_rank: int, layout: CacheLayout) -> None:
-    """batch/seq/past names for the I/O's symbolic dims (past+seq on the presents)."""
+def _name_dims(model: onnx.ModelProto, position_rank: int, layout: CacheLayout, attention_mask: bool = False) -> None:
+    """batch/seq/past names for the I/O's symbolic dims (past+seq on the presents and the attention mask)."""
     first_kv = next((n for n, axis in enumerate(layout.past_axes()) if axis == 2), None)
+    first_past = 3 if attention_mask else 2
     rename_dynamic_dims(model, batch_seq=(1, 1 if position_rank == 3 else 0),
-                        past=None if first_kv is None else 2 + first_kv)
+                        past=None if first_kv is None else first_past + first_kv)
+    if attention_mask:  # torch names the mask's length a symbol of its own (past+seq is not a Dim it can declare)
+        total = model.graph.input[2].type.tensor_type.shape.dim[1]
+        old, total.dim_param = total.dim_param, "past+seq"
+        for value in [*model.graph.input, *model.graph.output]:
+            for dim in value.type.tensor_type.shape.dim:
+                if old and dim.dim_param == old:
+                    dim.dim_param = "past+seq"
     ids_seq = model.graph.input[0].type.tensor_type.shape.dim[1]
     if ids_seq.dim_param and ids_seq.dim_param != "seq":  # torch left input_ids' seq a symbol of its own
         old = ids_seq.dim_param
@@ -210,15 +218,30 @@ def _fuse(program, notes: list[str], hooked: bool = False) -> None:
                  "rotary node(s)")
 
 
-def _wrapper(model, layer, inputs, layout, position_rank, seed):
+def _wrapper(model, layer, inputs, layout, position_rank, seed, attention_mask=False, kv_buffer=False):
     """(module to trace, its inputs, dynamic shapes, input names, output names, kind)."""
     b, s, p = _dims(layout.has_states)
     pos_shape = {1: b, 2: s} if position_rank == 3 else {0: b, 1: s}
+    if kv_buffer:
+        from rope_export.hf.kv_buffer import CausalLMWithKVBuffer, example_buffers
+
+        if layer is not None:
+            raise HFExportError("a KV buffer export is for whole models; --layer exports take none")
+        input_names, output_names = hf_io_names(layout, attention_mask=True)
+        m = torch.export.Dim("max_length", min=2, max=2**20)
+        buffers = tuple({0: b, 2: m} for _ in layout.past_axes())
+        shapes = ({0: b, 1: s}, pos_shape, {0: b, 1: torch.export.Dim.DYNAMIC}, buffers)
+        return (CausalLMWithKVBuffer(model, layout).eval(), example_buffers(model, layout, inputs), shapes,
+                input_names, output_names, "hf-causal-lm")
     if layer is None:
-        input_names, output_names = hf_io_names(layout)
+        input_names, output_names = hf_io_names(layout, attention_mask=attention_mask)
         past = tuple({0: b} if axis is None else {0: b, axis: p} for axis in layout.past_axes())
-        return (CausalLMWithCache(model, layout).eval(), inputs, ({0: b, 1: s}, pos_shape, past), input_names,
-                output_names, "hf-causal-lm")
+        # The mask's length is past+seq; torch.export cannot declare a sum of two Dims, so it infers it.
+        mask = ({0: b, 1: torch.export.Dim.DYNAMIC},) if attention_mask else ()
+        module = CausalLMWithCache(model, layout, attention_mask=attention_mask).eval()
+        return (module, inputs, ({0: b, 1: s}, pos_shape, (*mask, *past)), input_names, output_names, "hf-causal-lm")
+    if attention_mask:
+        raise HFExportError("an attention_mask input is for whole models; --layer exports take none")
     module = AttentionWithCache(model, layer).eval()
     index = module.attention.layer_idx
     slot = next((n for n, io in enumerate(layout.layers) if io.index == index), None)
@@ -246,6 +269,8 @@ def export_hf(
     weights: str | None = None,
     seed: int = 0,
     example: tuple[int, int, int] | None = None,
+    attention_mask: bool = False,
+    kv_buffer: bool = False,
     external: str = "auto",
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
@@ -263,9 +288,14 @@ def export_hf(
     unless ``allow_decomposed`` (then a warning and a note). ``example`` is (batch, seq, past) of
     the tracing inputs (default (2, 4, 3); (2, 5, 3) for hybrids, whose chunked scans must not see a
     sequence that divides their chunk size); use seq >= 2 (torch.export fixes a dim whose example
-    size is 1). ``external``: where the weights go (``onnx_files.EXTERNAL_DATA``); they are streamed
-    from the model's tensors to disk, never copied into one ModelProto. A model that performs no
-    rotation at all (GPT-2) is refused, or with ``allow_no_rope`` written with a warning and a note.
+    size is 1). ``attention_mask``: the file takes an ``attention_mask`` input [B, past+S] after
+    ``position_ids`` (1: a real token, 0: padding), as transformers' ``generate`` passes for padded
+    batches; without it every key is attended causally. ``kv_buffer`` (implies ``attention_mask``):
+    each past is a preallocated buffer [B, kv_heads, max_length, D] returned updated in place
+    (``rope_export.hf.kv_buffer``; opset 24). ``external``: where the weights go
+    (``onnx_files.EXTERNAL_DATA``); they are streamed from the model's tensors to disk, never copied
+    into one ModelProto. A model that performs no rotation at all (GPT-2) is refused, or with
+    ``allow_no_rope`` written with a warning and a note.
     """
     say = progress or (lambda message: None)
     if fallback not in FALLBACKS:
@@ -281,11 +311,13 @@ def export_hf(
         check_sliding_layers(model)
         batch, seq, past = example or ((2, 5, 3) if layout.has_states else (2, 4, 3))
         inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
-                                   position_rank=fam.position_rank, layout=layout)
+                                   position_rank=fam.position_rank, layout=layout,
+                                   attention_mask=(attention_mask or kv_buffer) and layer is None)
         module, inputs, shapes, input_names, output_names, kind = _wrapper(model, layer, inputs, layout,
-                                                                            fam.position_rank, seed)
+                                                                            fam.position_rank, seed, attention_mask,
+                                                                            kv_buffer)
         say("counting the rotations transformers performs in one eager forward")
-        with recorded_calls() as called:
+        with recorded_calls() as called, _buffer_attention(model, kv_buffer):
             census = eager_rotations(module, inputs)
         refuse_no_rope(census, model.config.model_type if layer is None else f"{model.config.model_type} layer {layer}",
                        allow_no_rope=allow_no_rope, notes=notes)
@@ -299,8 +331,9 @@ def export_hf(
     say(f"exporting {type(model).__name__} ({kind}, {len(layout.layers)} cache layers) with torch.export")
     hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
     try:
-        with model_state_kept(model), hook_ctx as hook:
-            program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say)
+        with model_state_kept(model), hook_ctx as hook, _buffer_attention(model, kv_buffer):
+            program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say,
+                              extra=_buffer_translations(kv_buffer))
     except HFExportError:
         raise
     except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
@@ -310,7 +343,12 @@ def export_hf(
         _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
     onnx_model = graph_proto(program)  # the graph to edit; the weights stay in torch until finish_export
     _check_dynamic(onnx_model, fam.position_rank)
-    _name_dims(onnx_model, fam.position_rank, layout)
+    _name_dims(onnx_model, fam.position_rank, layout, attention_mask or kv_buffer)
+    if kv_buffer:
+        from rope_export.hf.kv_buffer import name_buffer_dims, to_standard_ops
+
+        to_standard_ops(onnx_model)
+        name_buffer_dims(onnx_model)
     say("comparing the eager rotations with the file's rotary nodes")
     report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
                                notes=notes)
@@ -319,12 +357,30 @@ def export_hf(
                            dtype=dtype_name, kind=kind, weights=weights, seed=seed, layer=layer)
     metadata[METADATA_PREFIX + "rotations_eager"] = str(report.expected)
     metadata[METADATA_PREFIX + "rotary_nodes"] = str(report.found)
+    if kind == "hf-causal-lm":  # how the cache is carried: grown by Concat, or buffers updated in place
+        metadata[METADATA_PREFIX + "kv_cache"] = "buffer" if kv_buffer else "concat"
     for key, value in metadata.items():
         onnx_model.metadata_props.add(key=key, value=value)
     onnx_model.producer_name, onnx_model.producer_version = "rope-export", __version__
     onnx_model = finish_export(onnx_model, program, output, external=external, progress=say)
     return HFExportResult(onnx_model, None if output is None else Path(output), fam, description, len(layout.layers),
                           kind, notes, report.expected, layout)
+
+
+def _buffer_attention(model, kv_buffer: bool):
+    if not kv_buffer:
+        return contextlib.nullcontext()
+    from rope_export.hf.kv_buffer import buffer_attention_set
+
+    return buffer_attention_set(model)
+
+
+def _buffer_translations(kv_buffer: bool) -> dict:
+    if not kv_buffer:
+        return {}
+    from rope_export.hf.kv_buffer import custom_translation_table as buffer_table
+
+    return buffer_table()
 
 
 def _describe(hook: HookState | None, fallback: str) -> str:

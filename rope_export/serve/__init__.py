@@ -1,5 +1,5 @@
-"""Packaging exported files for serving stacks (``rope-export package ...``).
+"""Serving stacks: what a server or runtime loads as it is (``genai``: an onnxruntime-genai folder;
+``triton``: a Triton Inference Server model repository).
 
-Each stack has its own module (``triton``: a Triton Inference Server model repository); ``cli``
-adds the ``package`` command and one sub-command per stack.
+Each stack is its own module, imported lazily by the ``package`` command; this file imports nothing.
 """

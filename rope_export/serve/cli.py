@@ -1,22 +1,95 @@
-"""``rope-export package STACK ...``: one sub-command per serving stack.
+"""``rope-export package genai|triton``: what a serving stack loads as it is.
 
-Each stack's module adds its own sub-command (``register_triton(stacks)``), so adding a stack is
-adding a line to ``STACKS``.
+``package`` has one subcommand per runtime (``PACKAGERS``: name -> function adding its parser), so a
+runtime is added with one entry; each imports its module lazily when it runs.
 """
 
 from __future__ import annotations
 
-import importlib
+GENAI_DESCRIPTION = (
+    "Write a folder onnxruntime-genai runs as it is (og.Model(OUT_DIR)): model.onnx lowered to --target, "
+    "genai_config.json generated from the transformers config and the file's own I/O names (heads, kv heads, head "
+    "size and layers read from the file's past inputs; eos/bos/pad ids and search defaults from config.json and "
+    "generation_config.json), and the tokenizer files of the model folder. From --hf MODEL_DIR the model is "
+    "exported with an attention_mask input, so batches with padding work; onnxruntime-genai 0.18 takes a padded "
+    "batch padded on the right with pad_token_id (it finds the pads from the end of each row) and generates what "
+    "transformers' left-padded generate does. The KV cache grows by Concat (past_present_share_buffer false), or "
+    "with --kv-buffer is a buffer per layer updated in place (past_present_share_buffer true). "
+    "OUT_DIR must be new, empty, or an earlier package (replaced); it appears complete or not at all."
+)
 
-STACKS = [
-    ("rope_export.serve.triton", "register_triton"),
-]
+
+def _add_genai(packagers) -> None:
+    from rope_export.export import add_output_arguments
+    from rope_export.serve.genai import TARGETS
+
+    parser = packagers.add_parser("genai", help="an onnxruntime-genai folder (model.onnx, genai_config.json, "
+                                                "tokenizer)", description=GENAI_DESCRIPTION)
+    parser.add_argument("model", nargs="?", metavar="MODEL.onnx", default=None,
+                        help="a file from `rope-export export --hf` (its config comes from its metadata); or --hf")
+    parser.add_argument("--hf", metavar="MODEL_DIR", default=None,
+                        help="a local transformers folder (config.json): exported here with an attention_mask input")
+    parser.add_argument("--weights", metavar="DIR", default=None,
+                        help="with --hf: the folder with the weights (default: MODEL_DIR when it holds *.safetensors "
+                             "or pytorch_model*.bin, else random weights, --seed)")
+    parser.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="the folder to copy tokenizer files and generation_config.json's defaults from "
+                             "(default: MODEL_DIR)")
+    parser.add_argument("--target", "-t", choices=TARGETS, default="onnx",
+                        help="how the rotary nodes are lowered: onnx (ai.onnx RotaryEmbedding-23, default) or ort "
+                             "(com.microsoft RotaryEmbedding)")
+    parser.add_argument("--output", "-o", required=True, metavar="OUT_DIR", help="the folder to write")
+    parser.add_argument("--kv-buffer", action="store_true",
+                        help="with --hf: the KV cache is a preallocated buffer per layer updated in place "
+                             "(TensorScatter-24 + Attention-24, opset 24; past_present_share_buffer true), so a decode "
+                             "step does not copy the whole past; refused for attention soft-capping (Gemma-2)")
+    parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="with --hf: precision")
+    parser.add_argument("--seed", type=int, default=0, help="with --hf and no weights: the random weights' seed")
+    add_output_arguments(parser)
+    parser.set_defaults(func=_run_genai)
+
+
+def _add_triton(packagers) -> None:
+    from rope_export.serve.triton import register_triton
+
+    register_triton(packagers)
+
+
+PACKAGERS = {"genai": _add_genai, "triton": _add_triton}
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "package", help="package an exported file for a serving stack (a Triton model repository, ...)",
-        description="Write what a serving stack loads, from an ONNX file of rope-export.")
-    stacks = parser.add_subparsers(dest="stack", metavar="STACK", required=True)
-    for module, function in STACKS:
-        getattr(importlib.import_module(module), function)(stacks)
+    parser = subparsers.add_parser("package", help="write what a serving stack loads as it is (an onnxruntime-genai "
+                                                   "folder, a Triton model repository)",
+                                   description="Write a folder a serving runtime loads as it is.")
+    packagers = parser.add_subparsers(dest="runtime", metavar="RUNTIME", required=True)
+    for add in PACKAGERS.values():
+        add(packagers)
+
+
+def _run_genai(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rope_export.serve.genai import package_genai
+    from rope_export.steps import cli_steps
+
+    console = Console()
+    with cli_steps(console, f"rope-export package genai: {args.output}", args.summary_json) as steps:
+        package = package_genai(args.output, model=args.model, hf=args.hf, weights=args.weights,
+                                tokenizer=args.tokenizer, target=args.target, dtype=args.dtype, seed=args.seed,
+                                external=args.external_data, kv_buffer=args.kv_buffer, progress=steps)
+        steps.add_files([(path, path.stat().st_size) for path in package.files])
+    decoder = package.config["model"]["decoder"]
+    table = Table(title=f"{package.folder} (onnxruntime-genai)")
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("files", ", ".join(path.name for path in package.files))
+    table.add_row("layers / heads / kv heads / head size", f"{decoder['num_hidden_layers']} / "
+                  f"{decoder['num_attention_heads']} / {decoder['num_key_value_heads']} / {decoder['head_size']}")
+    table.add_row("inputs", ", ".join(decoder["inputs"].values()))
+    table.add_row("eos / pad", f"{package.config['model']['eos_token_id']} / {package.config['model']['pad_token_id']}")
+    for note in package.notes:
+        table.add_row("note", note)
+    console.print(table)
+    return 0
