@@ -45,6 +45,13 @@ class Limits:
         return None
 
 
+CONTRIB_SKIP = {  # why a runner cannot run a file with onnxruntime's contrib ops
+    "onnx-reference": "onnx.reference has no kernels for",
+    "cpu-twin": "the CPU twin runs the file's other nodes on onnx.reference, which has no kernels for",
+    "tensorrt": "TensorRT's ONNX parser has no importers for",
+}
+
+
 class Skip(Exception):
     """This runner cannot run this file here; the message says why (and what can)."""
 
@@ -71,9 +78,10 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
     from rope_export.runners import CpuTwinRunner, OnnxReferenceRunner
 
     kinds = _kinds(mf)
+    if name in ("onnx-reference", "cpu-twin", "tensorrt") and mf.contrib_ops:
+        raise Skip(f"{CONTRIB_SKIP[name]} onnxruntime's contrib ops ({', '.join(mf.contrib_ops)}); onnxruntime-cpu "
+                   "runs this file")
     if name == "onnx-reference":
-        if "ort" in kinds or any(n.domain == "com.microsoft" for n in mf.proto.graph.node):
-            raise Skip("onnx.reference has no com.microsoft kernels; use onnxruntime-cpu for this file")
         _needs_proto(mf, name, limits.max_in_memory)
         return OnnxReferenceRunner(mf.full_proto()), ""
     if name == "cpu-twin":
