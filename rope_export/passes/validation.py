@@ -108,9 +108,11 @@ def _rotary_dim(node: ir.Node, attrs: RotaryAttrs, x: ir.Value) -> int | None:
     return hidden // attrs.num_heads if hidden and attrs.num_heads else None
 
 
-def check_node(node: ir.Node) -> tuple[RotaryAttrs, ir.DataType | None, tuple | None]:
+def check_node(node: ir.Node, memo: dict | None = None) -> tuple[RotaryAttrs, ir.DataType | None, tuple | None]:
     """Static checks of one rope_export::RotaryEmbedding node and its caches (stored types and shapes);
-    returns (attributes, cache type, cache shape)."""
+    returns (attributes, cache type, cache shape). ``memo`` keeps the caches read (every layer's q and k
+    share one pair: read and checked once)."""
+    memo = {} if memo is None else memo
     inputs = list(node.inputs)
     if len(inputs) < 3 or any(v is None for v in inputs[:3]):
         raise _refuse(node, "the node needs inputs X, cos_cache, sin_cache", "re-export the file")
@@ -136,29 +138,34 @@ def check_node(node: ir.Node) -> tuple[RotaryAttrs, ir.DataType | None, tuple | 
         if rd is not None and width is not None and width != rd // 2:
             raise _refuse(node, f"the caches have {width} columns, rotating {rd} channels needs rd/2 = {rd // 2}",
                           f"store caches of {rd // 2} columns (cos/sin of the {rd // 2} inverse frequencies)")
-    for value in (cos, sin):
-        _check_magnitude(node, value)
+    if ("checked", cos, sin) not in memo:
+        _check_magnitude(node, cos, sin, memo)
+        memo["checked", cos, sin] = True
     return attrs, cache_type, cache_shape
 
 
-def _check_magnitude(node: ir.Node, value: ir.Value) -> None:
-    """A constant cache of a rotation: cos² + sin² = m², one m per file; name the rows that break it."""
-    tensor = _stored(value)
-    if tensor is None or tensor.size > MAX_CACHE_ELEMENTS:
+def stored_array(value: ir.Value, memo: dict) -> np.ndarray | None:
+    """A constant cache's values (read once, lazily from external data), or None: not constant, or too
+    large to be a RoPE cache."""
+    if value not in memo:
+        tensor = _stored(value)
+        memo[value] = const_array(value) if tensor is not None and tensor.size <= MAX_CACHE_ELEMENTS else None
+    return memo[value]
+
+
+def _check_magnitude(node: ir.Node, cos_value: ir.Value, sin_value: ir.Value, memo: dict) -> None:
+    """Constant caches of a rotation: cos² + sin² = m², one m per file; name the rows that break it."""
+    cos, sin = stored_array(cos_value, memo), stored_array(sin_value, memo)
+    if cos is None or sin is None or cos.shape != sin.shape:
         return
-    node_inputs = list(node.inputs)
-    other = node_inputs[2] if value is node_inputs[1] else node_inputs[1]
-    a, b = const_array(value), const_array(other)
-    if a is None or b is None or a.shape != b.shape:
-        return
-    cos, sin = (a, b) if value is node_inputs[1] else (b, a)
+    value, other = cos_value, sin_value
     squared = cos.astype(np.float64) ** 2 + sin.astype(np.float64) ** 2
     rows = squared.reshape(-1, squared.shape[-1])
     if not np.all(np.isfinite(rows)):
         bad = np.flatnonzero(~np.all(np.isfinite(rows), axis=1))
         raise _refuse(node, f"the caches hold inf or nan in row(s) {_rows(bad)}", REBUILD)
     mid = float(np.median(rows))
-    rtol = MAGNITUDE_RTOL.get(dtype_name(dtype_of(value) or tensor.dtype), 3e-2)
+    rtol = MAGNITUDE_RTOL.get(str(cos.dtype), 3e-2)
     off = np.abs(rows - mid) > rtol * max(mid, 1e-30)
     if mid <= 0 or off.any():
         bad = np.flatnonzero(off.any(axis=1)) if mid > 0 else np.arange(rows.shape[0])
@@ -181,11 +188,12 @@ def plan(model: ir.Model, nodes: list[ir.Node], *, out_of_range: bool) -> list[N
     through); False for files lowered with --trust-positions, whose op must not see them."""
     rng = np.random.default_rng(SEED)
     shared: dict[str, np.ndarray] = {}  # caches and positions, fed once for the nodes that share them
+    memo: dict = {}
     runs = []
     for node in nodes:
-        attrs, cache_type, cache_shape = check_node(node)
+        attrs, cache_type, cache_shape = check_node(node, memo)
         if node.graph is model.graph:
-            runs.append(_node_run(node, attrs, cache_type, cache_shape, rng, shared, out_of_range))
+            runs.append(_node_run(node, attrs, cache_type, cache_shape, rng, shared, out_of_range, memo))
     return runs
 
 
@@ -276,13 +284,12 @@ def _trt_plugin_ops() -> list[type]:
     return [type(op_type, (OpRun,), {"op_domain": TRT_PLUGIN_DOMAIN, "_run": _run}) for op_type in PLUGIN_OP_TYPES]
 
 
-def _node_run(node, attrs: RotaryAttrs, cache_type, cache_shape, rng, shared, out_of_range) -> NodeRun:
+def _node_run(node, attrs: RotaryAttrs, cache_type, cache_shape, rng, shared, out_of_range, memo) -> NodeRun:
     x, cos, sin = list(node.inputs)[:3]
     pos = list(node.inputs)[3] if len(node.inputs) > 3 else None
     x_type = dtype_of(x)
     rank = x.shape.rank()
-    stored_cos = const_array(cos) if _stored(cos) is not None and _stored(cos).size <= MAX_CACHE_ELEMENTS else None
-    stored_sin = const_array(sin) if stored_cos is not None else None
+    stored_cos, stored_sin = stored_array(cos, memo), stored_array(sin, memo)
     # batch and sequence: X's static sizes, else per-token caches' or the positions', else small defaults
     seq_axis = 2 if rank == 4 else 1
     batch = dim(x, 0) or (cache_shape[0] if pos is None and cache_shape and cache_shape[0] else None) \
