@@ -78,9 +78,8 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
     from rope_export.runners import CpuTwinRunner, OnnxReferenceRunner
 
     kinds = _kinds(mf)
-    if name in ("onnx-reference", "cpu-twin", "tensorrt") and mf.contrib_ops:
-        raise Skip(f"{CONTRIB_SKIP[name]} onnxruntime's contrib ops ({', '.join(mf.contrib_ops)}); onnxruntime-cpu "
-                   "runs this file")
+    if name in ("onnx-reference", "tensorrt"):
+        _contrib_skip(mf, name)
     if name == "onnx-reference":
         _needs_proto(mf, name, limits.max_in_memory)
         return OnnxReferenceRunner(mf.full_proto()), ""
@@ -88,6 +87,7 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
         if not kinds & {"rope_export", "trt-plugin"}:
             raise Skip("no rope_export or trt-plugin rotary node for the twin to run (the file was lowered to "
                        "another target)")
+        _contrib_skip(mf, name)
         from rope_export import plugin
 
         try:
@@ -107,6 +107,12 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
         _needs_proto(mf, name, limits.max_in_memory)
         return _tensorrt_runner(mf, plugin_library, cases), " (engine built with the rotary plugin)"
     raise CheckError(f"unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
+
+
+def _contrib_skip(mf: ModelFile, name: str) -> None:
+    if mf.contrib_ops:
+        raise Skip(f"{CONTRIB_SKIP[name]} onnxruntime's contrib ops ({', '.join(mf.contrib_ops)}); onnxruntime-cpu "
+                   "runs this file")
 
 
 def ort_cpu_bytes(mf: ModelFile) -> int:
@@ -133,9 +139,17 @@ def _onnxruntime(mf: ModelFile, name: str, kinds: set[str], limits: Limits):
 
         try:
             model = lower(mf.proto, "onnx")  # the graph only when the weights are external
+            notes.append("custom op lowered in memory to the standard op")
         except (ValueError, NotImplementedError) as exc:
-            raise Skip(f"the custom op cannot be lowered for onnxruntime: {exc}") from None
-        notes.append("custom op lowered in memory to the standard op")
+            if not mf.contrib_ops:
+                raise Skip(f"the custom op cannot be lowered for onnxruntime: {exc}") from None
+            # onnx's version converter cannot move a file with onnxruntime's own ops to opset 23;
+            # plain ops need no newer opset and keep the contract (pass-through included)
+            try:
+                model = lower(mf.proto, "decomposed")
+            except (ValueError, NotImplementedError) as again:
+                raise Skip(f"the custom op cannot be lowered for onnxruntime: {again}") from None
+            notes.append("custom op lowered in memory to plain ops (the file's contrib ops keep it below opset 23)")
     # a graph given as bytes names the original data file: the session finds it in the model's folder
     folder = mf.base_dir if mf.external else None
     whole = ort_cpu_bytes(mf)
