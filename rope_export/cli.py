@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
             summary = describe_failure(exc)  # torch.onnx's page of text, as one line with the likely fix
             if summary is not None:
-                print(f"{prefix}: error: {summary} (--debug: all of it)", file=sys.stderr)
+                print(f"{prefix}: error: {summary} (--debug: more)", file=sys.stderr)
                 return 1
             print(f"{prefix}: internal error: {type(exc).__name__}: {one_line(exc)} (a bug in rope-export or a "
                   f"library; run again with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)

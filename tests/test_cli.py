@@ -149,6 +149,31 @@ def test_a_failure_inside_torch_onnx_is_one_line_naming_the_stage_and_the_fix(ca
     assert "internal error" not in err and not out.exists()
 
 
+BRANCHING_BLOCK = '''
+import torch
+
+
+class Branching(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # a Python branch on a tensor's value: torch.export cannot trace it
+            return x * 2
+        return x - 1
+
+
+def make():
+    return Branching(), (torch.randn(2, 3),)
+'''
+
+
+def test_a_tracing_failure_names_torch_export_and_the_usual_fix(capsys, tmp_path):
+    (tmp_path / "branching.py").write_text(BRANCHING_BLOCK)
+    assert main(["export", "--module", f"{tmp_path / 'branching.py'}:make", "-o", str(tmp_path / "o.onnx")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "\x1b" not in err and len(err) < 220, err
+    assert err.startswith("rope-export export: error: torch.onnx failed tracing (torch.export): ")
+    assert "data-dependent" in err and "torch.where/torch.cond" in err
+
+
 def test_other_errors_keep_the_internal_error_line():
     from rope_export.torch_onnx import describe_failure
 
