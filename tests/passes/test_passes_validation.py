@@ -61,6 +61,8 @@ def _planted(defect: str) -> onnx.ModelProto:
         return _with_caches(cos.astype(np.float64), sin.astype(np.float64))
     if defect == "too wide":
         return _with_caches(np.concatenate([cos, cos[:, :1]], 1), np.concatenate([sin, sin[:, :1]], 1))
+    if defect == "sin shorter":
+        return _with_caches(cos, sin[:100])
     if defect == "rows changed":  # what a bad edit or a mis-sliced cache leaves: past row 100, not cos/sin
         cos, sin = cos.copy(), sin.copy()
         cos[100:], sin[100:] = 0.5, 0.25
@@ -71,6 +73,7 @@ def _planted(defect: str) -> onnx.ModelProto:
 EXPECTED = {
     "float64": ["cos_cache 'rotary.cos_cache' is double", "store both caches as float32"],
     "too wide": ["the caches have 9 columns", "rd/2 = 8", "store caches of 8 columns"],
+    "sin shorter": ["cos_cache is [128, 8] but sin_cache is [100, 8]", "give both caches one shape"],
     "rows changed": ["row(s) 100, 101, 102, 103, 104 and 23 more", "not cos/sin of an angle", "re-export"],
 }
 
@@ -86,6 +89,15 @@ def test_lower_refuses_planted_cache_defects(main, tmp_path, capsys, defect, tar
     for text in EXPECTED[defect]:
         assert text in err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]
+
+
+def test_changed_rows_in_external_data_are_found(main, tmp_path, capsys):
+    """Real models keep every initializer in external data; the caches are read from there, alone."""
+    onnx.save(_planted("rows changed"), tmp_path / "in.onnx", save_as_external_data=True, location="in.data",
+              size_threshold=0)
+    assert main(["lower", str(tmp_path / "in.onnx"), "-t", "onnx", "-o", str(tmp_path / "out.onnx")]) == 2
+    assert "row(s) 100, 101" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.data", "in.onnx"]
 
 
 def test_fuse_refuses_a_fused_node_with_changed_rows(main, tmp_path, capsys):
