@@ -88,17 +88,18 @@ def _cache_facts(node: ir.Node, cos: ir.Value, sin: ir.Value) -> tuple[ir.DataTy
     if None not in (cos_type, sin_type) and cos_type != sin_type:
         raise _refuse(node, f"cos_cache is {dtype_name(cos_type)} but sin_cache is {dtype_name(sin_type)}",
                       "store both caches in one type")
-    if cos_shape is not None and sin_shape is not None and _known(cos_shape) != _known(sin_shape):
+    if cos_shape is not None and sin_shape is not None and not _may_match(cos_shape, sin_shape):
         raise _refuse(node, f"cos_cache is {list(cos_shape)} but sin_cache is {list(sin_shape)}",
                       "give both caches one shape")
     return cos_type or sin_type, cos_shape if cos_shape is not None else sin_shape
 
 
-def _known(shape: tuple) -> tuple:
-    return tuple(d for d in shape if d is not None) if len(shape) else shape
+def _may_match(a: tuple, b: tuple) -> bool:
+    """Same rank, and no axis where both sizes are known and differ (a symbolic size may be either)."""
+    return len(a) == len(b) and all(p is None or q is None or p == q for p, q in zip(a, b, strict=True))
 
 
-def _rotary_dim(node: ir.Node, attrs: RotaryAttrs, x: ir.Value) -> int | None:
+def _rotary_dim(attrs: RotaryAttrs, x: ir.Value) -> int | None:
     if attrs.rotary_embedding_dim:
         return attrs.rotary_embedding_dim
     rank = x.shape.rank() if x.shape is not None else None
@@ -133,7 +134,7 @@ def check_node(node: ir.Node, memo: dict | None = None) -> tuple[RotaryAttrs, ir
             layout = "[max_pos, rd/2] with position_ids" if pos is not None else "[B, S, rd/2] without position_ids"
             raise _refuse(node, f"the caches are {list(cache_shape)}, the op needs {layout}",
                           "give the caches that shape")
-        rd = _rotary_dim(node, attrs, x)
+        rd = _rotary_dim(attrs, x)
         width = cache_shape[-1]
         if rd is not None and width is not None and width != rd // 2:
             raise _refuse(node, f"the caches have {width} columns, rotating {rd} channels needs rd/2 = {rd // 2}",
