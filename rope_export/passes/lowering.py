@@ -58,10 +58,11 @@ def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog 
     outside the cache by gathering per-token caches in the graph (default); False feeds
     position_ids to the op directly, which is faster but requires in-range positions.
     ``log``: a LoweringLog to receive the lowered node names and notes (e.g. missing kernels).
-    ``validate``: first check every node's stored caches (type, width, cos² + sin² one constant) and
-    afterwards run each lowered node once on a small input against the op contract
-    (``passes.validation``; ``rope-export lower`` always does). Off by default here because ``check``
-    lowers files with planted cache defects on purpose, to show that it finds them.
+    ``validate``: also check that cos² + sin² of constant caches is one constant, and afterwards run
+    each lowered node once on a small input against the op contract (``passes.validation``;
+    ``rope-export lower`` always does). Off by default here because ``check`` lowers files with
+    planted cache rows on purpose, to show that it finds them. The caches' stored types and widths
+    are checked either way.
     Raises PassError naming the node, the problem and a target that can express it.
     """
     if target not in TARGETS:
@@ -79,8 +80,12 @@ def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog 
     ir_model = rule_class.prepare(ir_model)
     infer_shapes(ir_model)
     # planned on the shapes the rule sees, so the small input fits the sizes it bakes into the graph
-    runs = validation.plan(ir_model, _custom_nodes(ir_model), out_of_range=guard_positions or target in GUARDED) \
-        if validate else []
+    runs = []
+    if validate:
+        runs = validation.plan(ir_model, _custom_nodes(ir_model), out_of_range=guard_positions or target in GUARDED)
+    else:  # the caches' stored types and widths, always: no target can express a float64 or too-wide cache
+        for node in _custom_nodes(ir_model):
+            validation.check_node(node, magnitude=False)
     rule = rule_class(guard_positions=guard_positions, log=log)
     pattern.RewriteRuleSet([rule.as_rule()]).apply_to_model(ir_model)
     left = _custom_nodes(ir_model)

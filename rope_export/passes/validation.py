@@ -109,10 +109,11 @@ def _rotary_dim(attrs: RotaryAttrs, x: ir.Value) -> int | None:
     return hidden // attrs.num_heads if hidden and attrs.num_heads else None
 
 
-def check_node(node: ir.Node, memo: dict | None = None) -> tuple[RotaryAttrs, ir.DataType | None, tuple | None]:
-    """Static checks of one rope_export::RotaryEmbedding node and its caches (stored types and shapes);
-    returns (attributes, cache type, cache shape). ``memo`` keeps the caches read (every layer's q and k
-    share one pair: read and checked once)."""
+def check_node(node: ir.Node, memo: dict | None = None, magnitude: bool = True) \
+        -> tuple[RotaryAttrs, ir.DataType | None, tuple | None]:
+    """Static checks of one rope_export::RotaryEmbedding node and its caches (stored types and shapes;
+    with ``magnitude``, also cos² + sin² of constant caches); returns (attributes, cache type, cache
+    shape). ``memo`` keeps the caches read (every layer's q and k share one pair: read once)."""
     memo = {} if memo is None else memo
     inputs = list(node.inputs)
     if len(inputs) < 3 or any(v is None for v in inputs[:3]):
@@ -139,7 +140,7 @@ def check_node(node: ir.Node, memo: dict | None = None) -> tuple[RotaryAttrs, ir
         if rd is not None and width is not None and width != rd // 2:
             raise _refuse(node, f"the caches have {width} columns, rotating {rd} channels needs rd/2 = {rd // 2}",
                           f"store caches of {rd // 2} columns (cos/sin of the {rd // 2} inverse frequencies)")
-    if ("checked", cos, sin) not in memo:
+    if magnitude and ("checked", cos, sin) not in memo:
         _check_magnitude(node, cos, sin, memo)
         memo["checked", cos, sin] = True
     return attrs, cache_type, cache_shape

@@ -10,6 +10,7 @@ to every target. A lowered node whose form is wrong is refused by the run-once c
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import onnx
@@ -89,6 +90,13 @@ def test_lower_refuses_planted_cache_defects(main, tmp_path, capsys, defect, tar
     for text in EXPECTED[defect]:
         assert text in err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in.onnx"]
+
+
+@pytest.mark.parametrize("defect", ["float64", "too wide", "sin shorter"])
+def test_the_python_lower_checks_stored_types_and_widths_without_validate(defect):
+    """No target can express these; only the cos² + sin² check and the run wait for validate=True."""
+    with pytest.raises(PassError, match=re.escape(EXPECTED[defect][0])):
+        lower(_planted(defect), "onnx")
 
 
 def test_changed_rows_in_external_data_are_found(main, tmp_path, capsys):
