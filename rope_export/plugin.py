@@ -385,13 +385,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _capacity(t: torch.Tensor | None) -> int:
-    """Bytes of the tensor's storage from its data pointer on: what the C ABI may touch (API 3)."""
-    if t is None:
-        return 0
-    return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-
-
 def _element_aligned(t: torch.Tensor) -> bool:
     # torch.frombuffer(..., offset=2) makes a float32 tensor at an odd address; the kernels (like a
     # GPU) need every pointer aligned to its element.
@@ -418,8 +411,10 @@ def make_args(x, cos_cache, sin_cache, position_ids, out, *, interleaved=False, 
     args.interleaved, args.num_heads, args.rotary_embedding_dim = interleaved, num_heads, rotary_embedding_dim
     args.force_scalar = int(bool(force_scalar))
     args.block_begin, args.block_end = block_range
+    # C API 3: each storage's bytes from the data pointer on, what the C side may touch
     args.x_bytes, args.cos_bytes, args.sin_bytes, args.position_ids_bytes, args.out_bytes = (
-        _capacity(t) for t in (x, cos_cache, sin_cache, position_ids, out))
+        0 if t is None else t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+        for t in (x, cos_cache, sin_cache, position_ids, out))
     return args
 
 
