@@ -5,7 +5,8 @@ that adds its parser and sets ``func``; this file only lists those modules, so a
 is adding a line to ``COMMAND_MODULES``.
 
 It also owns what every command shares at its edge: an error is one line on stderr, never a
-traceback (exit 2 for bad input, 1 for an internal error, with ``--debug`` for the traceback), and
+traceback (exit 2 for bad input, 1 for an internal error, with ``--debug`` for the traceback; a
+failure inside torch.onnx is summarised as its stage, op and likely fix, also exit 1), and
 SIGINT/SIGTERM stop the command like an exception, so the atomic writers' cleanup runs and no
 temporary file is left (exit 128 + the signal number).
 """
@@ -140,7 +141,9 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno is not None and exc.strerror:
         where = f" {exc.filename}" if exc.filename else ""
         return f"cannot use{where}: {exc.strerror.lower()}"
-    text = " ".join(str(exc).split())
+    from rope_export.torch_onnx import strip_ansi
+
+    text = " ".join(strip_ansi(str(exc)).split())  # torch colours its messages for a terminal
     return text or type(exc).__name__
 
 
@@ -168,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             if debug:
                 raise
+            from rope_export.torch_onnx import describe_failure
+
+            summary = describe_failure(exc)  # torch.onnx's page of text, as one line with the likely fix
+            if summary is not None:
+                print(f"{prefix}: error: {summary} (--debug: more)", file=sys.stderr)
+                return 1
             print(f"{prefix}: internal error: {type(exc).__name__}: {one_line(exc)} (a bug in rope-export or a "
                   f"library; run again with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
             return 1

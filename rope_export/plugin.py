@@ -30,7 +30,7 @@ TRT_VC_PLUGIN_LIBRARY = "librope_export_trt_vc_plugin.so"  # for IPluginRegistry
 CUDA_LIBRARY = "librope_export_cuda.so"  # the kernels behind PyTorch's CUDA op (rope_export/cuda.py)
 # Every GPU TensorRT 10/11 runs on (Turing .. Blackwell); the build adds PTX of the newest.
 CUDA_ARCHS = (75, 80, 86, 89, 90, 100, 120)
-C_API_VERSION = 2
+C_API_VERSION = 3
 MAX_RANK = 8
 
 # nvinfer1::PluginFieldType codes (the twin's RopeField uses the same numbers).
@@ -105,6 +105,8 @@ class _TwinArgs(ctypes.Structure):
         ("interleaved", ctypes.c_int64), ("num_heads", ctypes.c_int64), ("rotary_embedding_dim", ctypes.c_int64),
         ("force_scalar", ctypes.c_int32),
         ("block_begin", ctypes.c_int64), ("block_end", ctypes.c_int64),
+        ("x_bytes", ctypes.c_int64), ("cos_bytes", ctypes.c_int64), ("sin_bytes", ctypes.c_int64),
+        ("position_ids_bytes", ctypes.c_int64), ("out_bytes", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -409,6 +411,10 @@ def make_args(x, cos_cache, sin_cache, position_ids, out, *, interleaved=False, 
     args.interleaved, args.num_heads, args.rotary_embedding_dim = interleaved, num_heads, rotary_embedding_dim
     args.force_scalar = int(bool(force_scalar))
     args.block_begin, args.block_end = block_range
+    # C API 3: each storage's bytes from the data pointer on, what the C side may touch
+    args.x_bytes, args.cos_bytes, args.sin_bytes, args.position_ids_bytes, args.out_bytes = (
+        0 if t is None else t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+        for t in (x, cos_cache, sin_cache, position_ids, out))
     return args
 
 

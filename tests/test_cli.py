@@ -99,3 +99,82 @@ def test_help_lists_the_commands(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "presets" in out and "demo" in out
+
+
+META_BLOCK = '''
+import torch
+from torch import nn
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis[:, :, None, :]
+    return (torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq),
+            torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim=32, heads=4, max_pos=64):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.wq, self.wk = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, x, pos):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.hd)
+        k = self.wk(x).view(b, s, self.heads, self.hd)
+        q, k = apply_rotary_emb(q, k, self.freqs_cis[pos])  # Meta's complex table, indexed by positions
+        return (q * k).sum(-1)
+
+
+def make():
+    return Attention().eval(), (torch.randn(2, 5, 32), torch.arange(5).expand(2, -1).contiguous())
+'''
+
+
+def test_a_failure_inside_torch_onnx_is_one_line_naming_the_stage_and_the_fix(capsys, tmp_path):
+    """Meta's complex freqs_cis indexed by positions fails in torch.onnx's translation; the line used
+    to be torch's page of text (hundreds of characters, ANSI colours) called an internal error."""
+    (tmp_path / "meta_block.py").write_text(META_BLOCK)
+    out = tmp_path / "out.onnx"
+    assert main(["export", "--module", f"{tmp_path / 'meta_block.py'}:make", "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "\x1b" not in err and len(err) < 220, err
+    assert err.startswith("rope-export export: error: torch.onnx failed translating to ONNX: aten.index.Tensor")
+    assert "freqs_cis[pos]" in err and "rope_export.meta.meta_rope_hooked(model)" in err
+    assert "internal error" not in err and not out.exists()
+
+
+BRANCHING_BLOCK = '''
+import torch
+
+
+class Branching(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # a Python branch on a tensor's value: torch.export cannot trace it
+            return x * 2
+        return x - 1
+
+
+def make():
+    return Branching(), (torch.randn(2, 3),)
+'''
+
+
+def test_a_tracing_failure_names_torch_export_and_the_usual_fix(capsys, tmp_path):
+    (tmp_path / "branching.py").write_text(BRANCHING_BLOCK)
+    assert main(["export", "--module", f"{tmp_path / 'branching.py'}:make", "-o", str(tmp_path / "o.onnx")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "\x1b" not in err and len(err) < 220, err
+    assert err.startswith("rope-export export: error: torch.onnx failed tracing (torch.export): ")
+    assert "data-dependent" in err and "torch.where/torch.cond" in err
+
+
+def test_other_errors_keep_the_internal_error_line():
+    from rope_export.torch_onnx import describe_failure
+
+    assert describe_failure(RuntimeError("\x1b[96mnot from torch\x1b[0m")) is None

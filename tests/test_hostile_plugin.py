@@ -1,8 +1,9 @@
 """Hostile input at the C level: the CPU twin's C ABI and its ctypes binding (issue 16).
 
 Misaligned tensors (each in turn, 16-byte and element misalignment), null pointers into every C
-ABI function, Python ints that ctypes would wrap, field types and values that do not fit. The
-sanitizer driver (ASan + UBSan) runs the same null and misaligned cases in C.
+ABI function, Python ints that ctypes would wrap, field types and values that do not fit, field
+counts past the bound and shapes that overstate their buffers (C API 3 carries each buffer's
+size). The sanitizer driver (ASan + UBSan) runs the same null, misaligned and size cases in C.
 """
 
 from __future__ import annotations
@@ -131,6 +132,69 @@ def test_null_pointers_into_the_c_abi_are_refused_not_dereferenced():
     assert lib.rope_supports_combination(0, None, None, 3, 1) == 0
 
 
+def test_a_field_count_past_the_bound_is_refused_before_any_field_is_read():
+    """A count of 1e9 over a one-field array: a 32 GB reserve and a read past the array (a segfault)
+    before the bound; now one message, the one core parse_fields gives the TensorRT glue too."""
+    lib = plugin.twin()
+    err = ctypes.create_string_buffer(256)
+    out = (ctypes.c_int64 * 3)()
+    one = ctypes.c_int32(4)
+    field = (plugin._Field * 1)(plugin._Field(b"num_heads", ctypes.cast(ctypes.byref(one), ctypes.c_void_p), 5, 1))
+    for count in (10**9, 17, 2**31 - 1):
+        assert lib.rope_parse_fields(field, count, 0, out, err, 256) != 0
+        assert f"malformed field collection ({count} fields; at most 16" in err.value.decode()
+    assert lib.rope_parse_fields(field, 1, 0, out, err, 256) == 0 and list(out) == [0, 4, 0]
+
+
+def _huge_view(shape, dtype=torch.float32) -> torch.Tensor:
+    """A tensor of ``shape`` over one element (stride 0): what a caller's shapes claim, not what it holds."""
+    return torch.zeros(1, dtype=dtype).expand(*shape)
+
+
+def test_shapes_that_overstate_their_buffers_are_refused_even_for_one_block():
+    """X [1, 2^20, 1, 2^20] over 4 bytes, run for the first grid block only: that block alone reads
+    2^40 elements, a segfault before the buffer sizes were checked."""
+    lib = plugin.twin()
+    x = _huge_view((1, 2**20, 1, 2**20))
+    cos = torch.zeros(4, 2**19)
+    pos = torch.zeros(1, 1, dtype=torch.long)
+    out = torch.zeros(64)
+    args = plugin.make_args(x, cos, cos, pos, out, blocks=(0, 1))
+    assert args.x_bytes == 4 and args.cos_bytes == 4 * 4 * 2**19
+    err = ctypes.create_string_buffer(256)
+    assert lib.rope_twin_run(ctypes.byref(args), None, err, 256) != 0
+    assert err.value.decode() == ("X [1, 1048576, 1, 1048576] needs 4398046511104 bytes but its buffer holds 4 "
+                                  "(RopeTwinArgs.x_bytes); pass shapes that match the buffers")
+    assert not out.any()
+
+
+@pytest.mark.parametrize(("which", "field", "label"), [
+    ("x", "x_bytes", "X"), ("cos", "cos_bytes", "cos_cache"), ("sin", "sin_bytes", "sin_cache"),
+    ("position_ids", "position_ids_bytes", "position_ids"), ("out", "out_bytes", "the output")])
+def test_each_buffer_one_byte_short_is_refused_naming_it(which, field, label):
+    gen = torch.Generator().manual_seed(5)
+    t, _ = _inputs(torch.float32, False, gen)
+    out = torch.full_like(t["x"], 7.0)
+    args = plugin.make_args(t["x"], t["cos"], t["sin"], t["position_ids"], out)
+    err = ctypes.create_string_buffer(256)
+    assert plugin.twin().rope_twin_run(ctypes.byref(args), None, err, 256) == 0  # exactly their sizes: runs
+    out.fill_(7.0)
+    setattr(args, field, getattr(args, field) - 1)
+    assert plugin.twin().rope_twin_run(ctypes.byref(args), None, err, 256) != 0
+    assert err.value.decode().startswith(f"{label} [") and f"(RopeTwinArgs.{field})" in err.value.decode()
+    assert bool((out == 7.0).all())  # refused before anything was written
+
+
+def test_a_byte_count_past_64_bits_is_refused():
+    lib = plugin.twin()
+    x, cos = torch.zeros(1, 2, 1, 8), torch.zeros(4, 4)
+    args = plugin.make_args(x, cos, cos, torch.zeros(1, 1, dtype=torch.long), torch.zeros_like(x))
+    args.cos_shape[0] = args.sin_shape[0] = 2**62  # more rows than torch itself can describe
+    err = ctypes.create_string_buffer(256)
+    assert lib.rope_twin_run(ctypes.byref(args), None, err, 256) != 0
+    assert err.value.decode() == "cos_cache [4611686018427387904, 4] has more bytes than a 64-bit size holds"
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -207,3 +271,4 @@ def test_sanitizer_driver_covers_null_and_misaligned_pointers(built_dir):
     assert int(counts["null pointers refused"]) >= 20
     assert int(counts["element-misaligned pointers refused"]) >= 25
     assert int(counts["misaligned by one element, run on the scalar path"]) > 1000
+    assert int(counts["counts and sizes past the memory refused"]) >= 10

@@ -300,13 +300,28 @@ bool check_field_value(int32_t k, int64_t v, std::string& err)
 
 } // namespace
 
-bool parse_fields(Field const* fields, int32_t count, Phase phase, Attrs& out, std::string& err)
+bool check_field_count(void const* fields, int32_t count, std::string& err)
 {
     std::string const where = "RotaryEmbedding plugin: ";
     if (count < 0 || (count > 0 && fields == nullptr))
     {
         return fail(err, where + "malformed field collection (" + std::to_string(count) + " fields at "
                 + (fields ? "a valid pointer" : "a null pointer") + ")");
+    }
+    if (count > kMaxFieldCount)
+    {
+        return fail(err, where + "malformed field collection (" + std::to_string(count) + " fields; at most "
+                + std::to_string(kMaxFieldCount) + ": the op has 3, plus plugin_namespace and plugin_version)");
+    }
+    return true;
+}
+
+bool parse_fields(Field const* fields, int32_t count, Phase phase, Attrs& out, std::string& err)
+{
+    std::string const where = "RotaryEmbedding plugin: ";
+    if (!check_field_count(fields, count, err))
+    {
+        return false;
     }
     int64_t values[kNumFields] = {0, 0, 0};
     bool seen[kNumFields] = {false, false, false};

@@ -88,6 +88,12 @@ enum class Phase : int32_t
 
 constexpr int32_t kNumFields = 3;
 extern char const* const kFieldNames[kNumFields]; // interleaved, num_heads, rotary_embedding_dim
+// A valid collection names each field once, plus the two routing attributes; anything past this
+// bound is a wrong count, refused before a single field is read (a count of 1e9 read past the array).
+constexpr int32_t kMaxFieldCount = 16;
+
+// The count and pointer of a field collection, before any field is touched.
+bool check_field_count(void const* fields, int32_t count, std::string& err);
 
 // Validates every field (name, type, length, value); ignores plugin_namespace/plugin_version, which
 // the ONNX attributes of the trt-plugin lowering carry. Never reads past a field's declared length.

@@ -260,6 +260,10 @@ void build(Case const& c, HostCase& h)
     a.force_scalar = c.force_scalar;
     a.block_begin = 0;
     a.block_end = -1;
+    // the host and device copies alike hold exactly these bytes from their pointers on
+    a.x_bytes = a.out_bytes = static_cast<int64_t>(h.x.size());
+    a.cos_bytes = a.sin_bytes = static_cast<int64_t>(h.cos.size());
+    a.position_ids_bytes = static_cast<int64_t>(h.pos.size() * sizeof(int64_t));
 }
 
 int gMismatches = 0;

@@ -18,6 +18,7 @@ int g_vectorized = 0;
 int g_refused = 0;            // every refusal check_rejects saw
 int g_refused_null = 0;       // null-pointer cases refused (section counts for the tests)
 int g_refused_misaligned = 0; // element-misaligned cases refused
+int g_refused_sizes = 0;      // counts and sizes past the memory given, refused
 int g_scalar_misaligned = 0;  // element-aligned, not 16-byte aligned: ran, on the scalar path
 
 void fail(std::string const& what)

@@ -149,6 +149,11 @@ void run_case(Case const& c)
     a.rotary_embedding_dim = c.rd_attr;
     a.force_scalar = c.force_scalar;
     a.block_end = -1;
+    a.x_bytes = static_cast<int64_t>(x.bytes);
+    a.cos_bytes = static_cast<int64_t>(cosb.bytes);
+    a.sin_bytes = static_cast<int64_t>(sinb.bytes);
+    a.position_ids_bytes = static_cast<int64_t>(pos.bytes);
+    a.out_bytes = static_cast<int64_t>(out.bytes);
     RopeTwinPlan plan{};
     char err[512] = {};
     std::string const label = std::string(name_of<T>()) + "/" + name_of<C>() + " B=" + std::to_string(c.b)
@@ -374,6 +379,7 @@ int main()
     serializer_cases();
     shape_cases();
     null_pointer_cases();
+    size_cases();
     if (g_failures)
     {
         std::fprintf(stderr, "twin sanitizer driver: %d of %d cases failed\n", g_failures, g_cases);
@@ -381,7 +387,7 @@ int main()
     }
     std::printf("twin sanitizer driver: %d cases ok (%d on the vector path)\n", g_cases, g_vectorized);
     std::printf("null pointers refused: %d\nelement-misaligned pointers refused: %d\n"
-                "misaligned by one element, run on the scalar path: %d\n",
-        g_refused_null, g_refused_misaligned, g_scalar_misaligned);
+                "misaligned by one element, run on the scalar path: %d\ncounts and sizes past the memory refused: %d\n",
+        g_refused_null, g_refused_misaligned, g_scalar_misaligned, g_refused_sizes);
     return 0;
 }

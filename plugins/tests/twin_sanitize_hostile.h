@@ -115,6 +115,9 @@ void null_pointer_cases()
         std::memcpy(a.position_ids_shape, pos, sizeof pos);
         a.position_ids_rank = 2;
         a.block_end = -1;
+        a.x_bytes = a.out_bytes = static_cast<int64_t>(xs.size() * sizeof(float));
+        a.cos_bytes = a.sin_bytes = static_cast<int64_t>(cache.size() * sizeof(float));
+        a.position_ids_bytes = static_cast<int64_t>(ps.size() * sizeof(int64_t));
         return a;
     };
     ++g_cases;
@@ -190,6 +193,11 @@ void element_misaligned_cases()
             a.position_ids_shape[1] = s;
             a.position_ids_rank = 2;
             a.block_end = -1;
+            a.x_bytes = static_cast<int64_t>(x.bytes);
+            a.cos_bytes = static_cast<int64_t>(cosb.bytes);
+            a.sin_bytes = static_cast<int64_t>(sinb.bytes);
+            a.position_ids_bytes = static_cast<int64_t>(pos.bytes);
+            a.out_bytes = static_cast<int64_t>(out.bytes);
             char err[512] = {};
             std::string const label = std::string("tensor #") + std::to_string(which) + " at byte offset "
                 + std::to_string(off) + " (" + name_of<T>() + "/" + name_of<C>() + ")";
@@ -211,6 +219,72 @@ void element_misaligned_cases()
             }
         }
     }
+}
+
+// Counts and sizes past the memory the caller gave: refused before any access. A field count of 1e9
+// over a one-field array, and shapes that overstate a buffer, even with a grid block range of one
+// block (before the fix both read past the arrays: a segfault).
+void size_cases()
+{
+    char err[512];
+    int64_t attrs[3];
+    int const refused_before = g_refused;
+    int32_t const one = 1;
+    RopeField const f[] = {{"num_heads", &one, 5, 1}};
+    for (int32_t count : {1000000000, 17, 2147483647})
+    {
+        check_rejects(("a field count of " + std::to_string(count)).c_str(),
+            rope_parse_fields(f, count, 0, attrs, err, sizeof err), err);
+    }
+    std::vector<float> xs(64, 1.0f);
+    std::vector<float> outs(64, 0.0f);
+    std::vector<float> cache(64, 0.5f);
+    std::vector<int64_t> ps(64, 0);
+    auto args = [&](int64_t h, int64_t d, int64_t rows) {
+        RopeTwinArgs a{};
+        a.x = xs.data();
+        a.cos_cache = a.sin_cache = cache.data();
+        a.position_ids = ps.data();
+        a.out = outs.data();
+        a.x_dtype = a.cos_dtype = a.sin_dtype = "float32";
+        a.position_ids_dtype = "int64";
+        int64_t const x[] = {1, h, 1, d};
+        std::memcpy(a.x_shape, x, sizeof x);
+        a.x_rank = 4;
+        a.cos_shape[0] = a.sin_shape[0] = rows;
+        a.cos_shape[1] = a.sin_shape[1] = d / 2;
+        a.cos_rank = a.sin_rank = 2;
+        a.position_ids_shape[0] = a.position_ids_shape[1] = 1;
+        a.position_ids_rank = 2;
+        a.block_begin = 0;
+        a.block_end = 1; // one block: the first token only
+        a.x_bytes = a.out_bytes = static_cast<int64_t>(xs.size() * sizeof(float));
+        a.cos_bytes = a.sin_bytes = static_cast<int64_t>(cache.size() * sizeof(float));
+        a.position_ids_bytes = static_cast<int64_t>(ps.size() * sizeof(int64_t));
+        return a;
+    };
+    RopeTwinArgs huge = args(int64_t{1} << 20, int64_t{1} << 20, 4);
+    check_rejects("X [1, 2^20, 1, 2^20] over 64 floats, one block", rope_twin_run(&huge, nullptr, err, sizeof err), err);
+    RopeTwinArgs rows = args(2, 8, int64_t{1} << 40);
+    check_rejects("caches of 2^40 rows over 64 floats", rope_twin_run(&rows, nullptr, err, sizeof err), err);
+    for (int k = 0; k < 5; ++k) // each buffer one byte short of its shape, in turn
+    {
+        RopeTwinArgs a = args(2, 8, 4);
+        int64_t* sizes[] = {&a.x_bytes, &a.cos_bytes, &a.sin_bytes, &a.position_ids_bytes, &a.out_bytes};
+        int64_t const need[] = {16 * 4, 16 * 4, 16 * 4, 8, 16 * 4};
+        *sizes[k] = need[k] - 1;
+        check_rejects(("buffer #" + std::to_string(k) + " one byte short").c_str(),
+            rope_twin_run(&a, nullptr, err, sizeof err), err);
+    }
+    ++g_cases;
+    RopeTwinArgs exact = args(2, 8, 4);
+    exact.x_bytes = exact.out_bytes = exact.cos_bytes = exact.sin_bytes = 16 * 4;
+    exact.position_ids_bytes = 8;
+    if (rope_twin_run(&exact, nullptr, err, sizeof err) != 0)
+    {
+        fail(std::string("buffers of exactly their shapes' size were refused: ") + err);
+    }
+    g_refused_sizes = g_refused - refused_before;
 }
 
 } // namespace

@@ -41,6 +41,36 @@ bool fail(std::string& err, std::string msg)
     return false;
 }
 
+std::string fmt(Dims const& d)
+{
+    std::string s = "[";
+    for (int32_t i = 0; i < d.rank; ++i)
+    {
+        s += (i ? ", " : "") + std::to_string(d.d[i]);
+    }
+    return s + "]";
+}
+
+// The buffer behind a tensor holds what its shape says, checked in 64-bit arithmetic that cannot wrap.
+bool fits(std::string& err, char const* what, Dims const& d, int64_t elem_bytes, int64_t have, char const* field)
+{
+    int64_t need = elem_bytes;
+    for (int32_t i = 0; i < d.rank; ++i)
+    {
+        if (d.d[i] < 0 || __builtin_mul_overflow(need, d.d[i], &need))
+        {
+            return fail(err, std::string(what) + " " + fmt(d) + " has more bytes than a 64-bit size holds");
+        }
+    }
+    if (have < need)
+    {
+        return fail(err, std::string(what) + " " + fmt(d) + " needs " + std::to_string(need)
+                + " bytes but its buffer holds " + std::to_string(have) + " (RopeTwinArgs." + field
+                + "); pass shapes that match the buffers");
+    }
+    return true;
+}
+
 } // namespace
 
 bool problem_from_args(RopeTwinArgs const& a, Problem& out, std::string& err)
@@ -93,6 +123,22 @@ bool problem_from_args(RopeTwinArgs const& a, Problem& out, std::string& err)
     {
         return fail(err, std::string(bad) + "'s data pointer is not aligned to its " + std::to_string(element_bytes)
                 + "-byte elements; the kernels (and a GPU) need element-aligned tensors: pass an aligned copy");
+    }
+    if (elems > 0) // an empty X reads nothing
+    {
+        Dims const xd = to_dims(a.x_shape, a.x_rank);
+        int64_t const xb = type_size(x_type);
+        int64_t const cb = type_size(cache_type);
+        if (!fits(err, "X", xd, xb, a.x_bytes, "x_bytes")
+            || !fits(err, "cos_cache", to_dims(a.cos_shape, a.cos_rank), cb, a.cos_bytes, "cos_bytes")
+            || !fits(err, "sin_cache", to_dims(a.sin_shape, a.sin_rank), cb, a.sin_bytes, "sin_bytes")
+            || (has_pos
+                && !fits(err, "position_ids", pd, int64_t{sizeof(int64_t)}, a.position_ids_bytes,
+                    "position_ids_bytes"))
+            || !fits(err, "the output", xd, xb, a.out_bytes, "out_bytes"))
+        {
+            return false;
+        }
     }
     return true;
 }

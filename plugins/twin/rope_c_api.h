@@ -20,7 +20,7 @@ extern "C" {
 
 enum
 {
-    ROPE_C_API_VERSION = 2 /* 2: rope_serialize_fields reports errors */
+    ROPE_C_API_VERSION = 3 /* 2: rope_serialize_fields reports errors; 3: RopeTwinArgs carries buffer sizes */
 };
 
 typedef struct RopeGeometry
@@ -60,6 +60,10 @@ typedef struct RopeTwinArgs
     /* Run only grid blocks [block_begin, block_end) along x (tokens); block_end < 0: all. Lets a
        test run the last blocks of a grid too large to run whole. */
     int64_t block_begin, block_end;
+    /* Bytes each buffer holds from its pointer on (API 3). A call whose shapes need more (for a
+       non-empty X) is refused before any access: a shape that overstates its buffer, or sizes a
+       64-bit byte count cannot hold, must not make the grid, or a block range of it, read past it. */
+    int64_t x_bytes, cos_bytes, sin_bytes, position_ids_bytes, out_bytes;
 } RopeTwinArgs;
 
 typedef struct RopeTwinPlan

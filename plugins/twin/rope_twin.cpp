@@ -144,6 +144,11 @@ int32_t rope_parse_fields(
     {
         return report("no output array for the 3 attributes", err, err_len);
     }
+    std::string msg;
+    if (!rope::check_field_count(fields, count, msg)) // before the copy: a wrong count must not size it
+    {
+        return report(msg, err, err_len);
+    }
     // RopeField and rope::Field have the same members; copy rather than pun.
     std::vector<rope::Field> fs;
     if (fields != nullptr && count > 0)
@@ -156,7 +161,6 @@ int32_t rope_parse_fields(
         }
     }
     rope::Attrs attrs;
-    std::string msg;
     if (!rope::parse_fields(fields == nullptr ? nullptr : fs.data(), count, static_cast<rope::Phase>(phase), attrs, msg))
     {
         return report(msg, err, err_len);

@@ -89,6 +89,10 @@ def check(
                                   hf_config=hf_config, weights=None if weights is None else str(weights), seed=seed,
                                   random_weights=random_weights, reference_block=reference_block, limits=limits)
     notes = metadata_notes + notes
+    if mf.contrib_ops:
+        notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest of the "
+                     "graph, onnxruntime's session creation checks them; onnx.reference, the CPU twin and TensorRT "
+                     "have no kernels for them")
     dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
     layers = _layers(mf)
     tol = for_layers(tolerance("block", DTYPES[dtype]), layers)

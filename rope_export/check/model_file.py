@@ -9,6 +9,7 @@ cache-row proof, and never by onnxruntime, whose sessions read them from the pat
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -88,6 +89,7 @@ class ModelFile:
         self.metadata = {p.key.removeprefix(METADATA_PREFIX): p.value for p in proto.metadata_props
                          if p.key.startswith(METADATA_PREFIX)}
         self._value_types: dict[str, TensorSpec] | None = None
+        self.contrib_ops: list[str] = []  # onnxruntime's own ops in the file (set by _validate)
         self._full: onnx.ModelProto | None = proto if weights_loaded else None
 
     @property
@@ -134,9 +136,18 @@ class ModelFile:
                 f"{self.label} is not an ONNX model: no IR version, opset or graph output was found "
                 "(a random or damaged file parses as an empty model); give an .onnx file"
             )
-        if self.path is not None or proto.ByteSize() < PROTOBUF_LIMIT:
-            try:  # from the path, the checker finds external data files (and never loads them)
-                onnx.checker.check_model(str(self.path) if self.path is not None else proto)
+        self.contrib_ops = onnxruntime_contrib_ops(proto)
+        # ops of onnxruntime's own in the ai.onnx domain are unknown to onnx.checker, which stops at the
+        # first: it checks a weight-free view with them set aside (onnxruntime's session creation, by the
+        # onnxruntime runners, validates them)
+        in_onnx_domain = {op for op in self.contrib_ops if "::" not in op}
+        if in_onnx_domain:
+            target = _checker_view(proto, in_onnx_domain)
+        else:  # from the path, the checker finds external data files (and never loads them)
+            target = str(self.path) if self.path is not None else proto
+        if self.path is not None or in_onnx_domain or proto.ByteSize() < PROTOBUF_LIMIT:
+            try:
+                onnx.checker.check_model(target)
             except Exception as exc:  # noqa: BLE001 - ValidationError and friends
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
                 raise CheckError(f"{self.label} fails onnx.checker: {first}; fix or re-export the file") from None
@@ -211,6 +222,58 @@ class ModelFile:
 
     def nodes_by_output(self) -> dict[str, onnx.NodeProto]:
         return {out: node for node in self.proto.graph.node for out in node.output if out}
+
+
+CONTRIB_DOMAIN = "com.microsoft"
+
+
+def onnxruntime_contrib_ops(proto: onnx.ModelProto) -> list[str]:
+    """The file's ops that onnx does not define and onnxruntime does (its contrib ops, as onnxruntime's
+    transformer optimizer and onnxruntime-genai write them): ``com.microsoft::Op``, or ``Op`` alone for
+    those onnxruntime registers in the ai.onnx domain (SimplifiedLayerNormalization)."""
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    found = set()
+    for node in proto.graph.node:
+        if node.domain == CONTRIB_DOMAIN:
+            found.add(f"{CONTRIB_DOMAIN}::{node.op_type}")
+        elif node.domain in ("", "ai.onnx") and opset is not None \
+                and not onnx.defs.has(node.op_type, opset, "") and node.op_type in _onnxruntime_onnx_domain_ops():
+            found.add(node.op_type)
+    return sorted(found)
+
+
+@functools.cache
+def _onnxruntime_onnx_domain_ops() -> frozenset[str]:
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+
+        return frozenset(s.name for s in ort_c.get_all_operator_schema() if s.domain in ("", "ai.onnx"))
+    except (ImportError, AttributeError):  # an onnxruntime build without schemas: the checker decides alone
+        return frozenset()
+
+
+def _checker_view(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelProto:
+    """What onnx.checker can read of a file with onnxruntime's ai.onnx-domain contrib ops: those nodes in
+    the com.microsoft domain (the checker leaves a domain it does not know alone), every initializer a
+    typed graph input (no weight is copied or read)."""
+    view = onnx.ModelProto()
+    view.CopyFrom(onnx.ModelProto(ir_version=proto.ir_version, opset_import=proto.opset_import,
+                                  functions=proto.functions))
+    graph = view.graph
+    graph.name = proto.graph.name
+    graph.node.extend(proto.graph.node)
+    for node in graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type in ops:
+            node.domain = CONTRIB_DOMAIN
+    if not any(o.domain == CONTRIB_DOMAIN for o in view.opset_import):
+        view.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+    declared = {v.name for v in proto.graph.input}
+    graph.input.extend(proto.graph.input)
+    graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                       for t in proto.graph.initializer if t.name not in declared)
+    graph.output.extend(proto.graph.output)
+    graph.value_info.extend(proto.graph.value_info)
+    return view
 
 
 def _graph_only(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -148,6 +148,8 @@ class TransformersReference(Reference):
             expected_in = {"input_ids", "position_ids", *(f"past_key_values.{i}.{kv}" for i in self.layers
                                                           for kv in ("key", "value"))}
             optional = {"attention_mask"}
+            if "position_ids" not in names:  # optimum's Gemma files: positions follow the past length
+                expected_in.discard("position_ids")
             expected_out = ["logits", *(f"present.{i}.{kv}" for i in self.layers for kv in ("key", "value"))]
             names -= optional & names
         if expected_in - names:
@@ -195,9 +197,10 @@ class TransformersReference(Reference):
             key, value = feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"]
             if key.shape[2]:
                 cache.update(key, value, i)
-        kwargs = {"attention_mask": feeds["attention_mask"]} if "attention_mask" in feeds else {}
-        out = model(input_ids=feeds["input_ids"], position_ids=feeds["position_ids"], past_key_values=cache,
-                    use_cache=True, **kwargs)
+        kwargs = {k: feeds[k] for k in ("attention_mask", "position_ids") if k in feeds}
+        # without position_ids transformers numbers the new tokens from the past length, as a file without
+        # that input does (the cases' masks are all ones, so the mask and the past agree)
+        out = model(input_ids=feeds["input_ids"], past_key_values=cache, use_cache=True, **kwargs)
         result = {"logits": to_numpy(out.logits)}
         layers = out.past_key_values.layers
         for i in self.layers:

@@ -45,6 +45,13 @@ class Limits:
         return None
 
 
+CONTRIB_SKIP = {  # why a runner cannot run a file with onnxruntime's contrib ops
+    "onnx-reference": "onnx.reference has no kernels for",
+    "cpu-twin": "the CPU twin runs the file's other nodes on onnx.reference, which has no kernels for",
+    "tensorrt": "TensorRT's ONNX parser has no importers for",
+}
+
+
 class Skip(Exception):
     """This runner cannot run this file here; the message says why (and what can)."""
 
@@ -71,15 +78,16 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
     from rope_export.runners import CpuTwinRunner, OnnxReferenceRunner
 
     kinds = _kinds(mf)
+    if name in ("onnx-reference", "tensorrt"):
+        _contrib_skip(mf, name)
     if name == "onnx-reference":
-        if "ort" in kinds or any(n.domain == "com.microsoft" for n in mf.proto.graph.node):
-            raise Skip("onnx.reference has no com.microsoft kernels; use onnxruntime-cpu for this file")
         _needs_proto(mf, name, limits.max_in_memory)
         return OnnxReferenceRunner(mf.full_proto()), ""
     if name == "cpu-twin":
         if not kinds & {"rope_export", "trt-plugin"}:
             raise Skip("no rope_export or trt-plugin rotary node for the twin to run (the file was lowered to "
                        "another target)")
+        _contrib_skip(mf, name)
         from rope_export import plugin
 
         try:
@@ -99,6 +107,12 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
         _needs_proto(mf, name, limits.max_in_memory)
         return _tensorrt_runner(mf, plugin_library, cases), " (engine built with the rotary plugin)"
     raise CheckError(f"unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
+
+
+def _contrib_skip(mf: ModelFile, name: str) -> None:
+    if mf.contrib_ops:
+        raise Skip(f"{CONTRIB_SKIP[name]} onnxruntime's contrib ops ({', '.join(mf.contrib_ops)}); onnxruntime-cpu "
+                   "runs this file")
 
 
 def ort_cpu_bytes(mf: ModelFile) -> int:
@@ -125,9 +139,17 @@ def _onnxruntime(mf: ModelFile, name: str, kinds: set[str], limits: Limits):
 
         try:
             model = lower(mf.proto, "onnx")  # the graph only when the weights are external
+            notes.append("custom op lowered in memory to the standard op")
         except (ValueError, NotImplementedError) as exc:
-            raise Skip(f"the custom op cannot be lowered for onnxruntime: {exc}") from None
-        notes.append("custom op lowered in memory to the standard op")
+            if not mf.contrib_ops:
+                raise Skip(f"the custom op cannot be lowered for onnxruntime: {exc}") from None
+            # onnx's version converter cannot move a file with onnxruntime's own ops to opset 23;
+            # plain ops need no newer opset and keep the contract (pass-through included)
+            try:
+                model = lower(mf.proto, "decomposed")
+            except (ValueError, NotImplementedError) as again:
+                raise Skip(f"the custom op cannot be lowered for onnxruntime: {again}") from None
+            notes.append("custom op lowered in memory to plain ops (the file's contrib ops keep it below opset 23)")
     # a graph given as bytes names the original data file: the session finds it in the model's folder
     folder = mf.base_dir if mf.external else None
     whole = ort_cpu_bytes(mf)

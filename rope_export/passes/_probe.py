@@ -140,13 +140,18 @@ class Probe:
         return [None if isinstance(d, int) else getattr(d, "value", None) for d in value.shape]
 
     # -- evaluation ------------------------------------------------------------------------------
-    def run(self, outputs: list[ir.Value], feeds: dict[ir.Value, np.ndarray]) -> list[np.ndarray]:
-        """Evaluate ``outputs`` from ``feeds`` (values -> arrays) and the graph's constants."""
+    def run(self, outputs: list[ir.Value], feeds: dict[ir.Value, np.ndarray], runtime: str = "auto",
+            new_ops=()) -> list[np.ndarray]:
+        """Evaluate ``outputs`` from ``feeds`` (values -> arrays) and the graph's constants.
+
+        ``runtime``: "auto" (onnxruntime, else onnx.reference), or only "onnxruntime" or only
+        "reference" (``new_ops``: extra OpRun classes for it), when the runtime itself is under test."""
         wanted = [v for v in outputs if v not in feeds]
-        results = dict(zip(wanted, self._evaluate(wanted, feeds), strict=True)) if wanted else {}
+        results = dict(zip(wanted, self._evaluate(wanted, feeds, runtime, new_ops), strict=True)) if wanted else {}
         return [np.asarray(feeds[v]) if v in feeds else results[v] for v in outputs]
 
-    def _evaluate(self, outputs: list[ir.Value], feeds: dict[ir.Value, np.ndarray]) -> list[np.ndarray]:
+    def _evaluate(self, outputs: list[ir.Value], feeds: dict[ir.Value, np.ndarray], runtime: str = "auto",
+                  new_ops=()) -> list[np.ndarray]:
         nodes, inputs = self._slice(outputs, feeds)
         unnamed = [v for v in {v for n in nodes for v in list(n.inputs) + list(n.outputs) if v is not None}
                    | set(inputs) if not v.name]
@@ -169,14 +174,16 @@ class Probe:
         graph = onnx.helper.make_graph(protos, "probe", graph_inputs, graph_outputs)
         opsets = [onnx.helper.make_opsetid(domain, version) for domain, version in self.model.opset_imports.items()]
         proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=self.model.ir_version or 10)
-        try:
-            return _run_ort(proto, arrays)
-        except Exception:  # noqa: BLE001 - fall back to the reference evaluator (bf16, unusual ops)
+        if runtime != "reference":
             try:
-                return _run_reference(proto, arrays)
-            except Exception as exc:  # noqa: BLE001
-                raise EvaluationFailed(f"the matched ops could not be evaluated ({type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0][:160]})") from None
+                return _run_ort(proto, arrays)
+            except Exception as exc:  # noqa: BLE001 - fall back to the reference evaluator (bf16, unusual ops)
+                if runtime == "onnxruntime":
+                    raise EvaluationFailed(_failure("onnxruntime", exc)) from None
+        try:
+            return _run_reference(proto, arrays, new_ops)
+        except Exception as exc:  # noqa: BLE001
+            raise EvaluationFailed(_failure("onnx.reference" if runtime == "reference" else "", exc)) from None
 
     def leaves(self, outputs: list[ir.Value], feeds: dict[ir.Value, np.ndarray]) -> list[ir.Value]:
         """The graph inputs (other than ``feeds``) that evaluating ``outputs`` needs."""
@@ -271,9 +278,15 @@ def _run_ort(proto: onnx.ModelProto, arrays: dict) -> list[np.ndarray]:
     return session.run(None, {k: v for k, v in arrays.items() if k in wanted})
 
 
-def _run_reference(proto: onnx.ModelProto, arrays: dict) -> list[np.ndarray]:
+def _failure(runtime: str, exc: Exception) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0][:160]
+    where = f" on {runtime}" if runtime else ""
+    return f"the matched ops could not be evaluated{where} ({type(exc).__name__}: {text})"
+
+
+def _run_reference(proto: onnx.ModelProto, arrays: dict, new_ops=()) -> list[np.ndarray]:
     from onnx.reference import ReferenceEvaluator
 
     from rope_export.onnx_op import RotaryEmbedding
 
-    return ReferenceEvaluator(proto, new_ops=[RotaryEmbedding]).run(None, arrays)
+    return ReferenceEvaluator(proto, new_ops=[RotaryEmbedding, *new_ops]).run(None, arrays)

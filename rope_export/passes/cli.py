@@ -92,8 +92,8 @@ def _run_lower(args) -> int:
     log = LoweringLog()
 
     def apply(model, steps):
-        steps(f"lowering the RotaryEmbedding nodes to {args.target}")
-        return lower(model, args.target, guard_positions=not args.trust_positions, log=log)
+        steps(f"lowering the RotaryEmbedding nodes to {args.target}, each run once against the op contract")
+        return lower(model, args.target, guard_positions=not args.trust_positions, log=log, validate=True)
 
     console, _ = _run_pass(args, f"rope-export lower: {args.output}", apply)
     console.print(f"lowered {len(log.lowered)} RotaryEmbedding node(s) to {args.target}: {args.output}")
@@ -110,8 +110,8 @@ def _run_fuse(args) -> int:
     report = FusionReport()
 
     def apply(model, steps):
-        steps("finding and fusing decomposed RoPE")
-        return fuse(model, report=report, adopt_standard=args.adopt_standard)
+        steps("finding and fusing decomposed RoPE, each fused node run once against the op contract")
+        return fuse(model, report=report, adopt_standard=args.adopt_standard, validate=True)
 
     console, _ = _run_pass(args, f"rope-export fuse: {args.output}", apply)
     table = Table(title=f"rope-export fuse: {args.input}")

@@ -32,7 +32,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
-from rope_export.passes import fuse_pairs, fuse_rotation, fuse_standard_op
+from rope_export.passes import fuse_pairs, fuse_rotation, fuse_standard_op, validation
 from rope_export.passes._fusing import STAGES, FusionReport
 from rope_export.passes._model import PassError, from_ir, infer_shapes, onnx_opset, remove_unused, to_ir
 from rope_export.passes._probe import Probe
@@ -41,13 +41,16 @@ MIN_OPSET = 13
 RULE_MODULES = (fuse_pairs, fuse_rotation, fuse_standard_op)
 
 
-def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = False):
+def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = False, validate: bool = False):
     """Replace each decomposed RoPE site of ``model`` by one rope_export::RotaryEmbedding node.
 
     ``model``: onnx.ModelProto (a new ModelProto is returned), onnx_ir.Model (changed in place and
     returned) or a path. ``report``: a FusionReport that receives one row per site seen.
     ``adopt_standard``: also rename ai.onnx RotaryEmbedding-23 nodes to rope_export's (same
     semantics); by default they are reported and kept.
+    ``validate``: check every rope_export node of the result (stored cache types and widths, cos² + sin²
+    one constant) and run each once on onnx.reference against the op contract's PyTorch reference
+    (``passes.validation``; ``rope-export fuse`` always does).
     """
     report = report if report is not None else FusionReport()
     ir_model, kind = to_ir(model)
@@ -82,4 +85,8 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
         ir_model.opset_imports.setdefault(DOMAIN, OP_VERSION)
         remove_unused(ir_model)
         infer_shapes(ir_model)
+    if validate:
+        nodes = [n for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)
+                 if n.domain == DOMAIN and n.op_type == OP_TYPE]
+        validation.run(ir_model, validation.plan(ir_model, nodes, out_of_range=True), "reference", "fused")
     return from_ir(ir_model, kind)

@@ -9,6 +9,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE
+from rope_export.passes import validation
 from rope_export.passes._lowering import LoweringLog, LowerRotary
 from rope_export.passes._model import (
     PassError,
@@ -44,7 +45,8 @@ def _custom_nodes(model: ir.Model) -> list[ir.Node]:
     return nodes
 
 
-def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog | None = None):
+def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog | None = None,
+          validate: bool = False):
     """Lower every rope_export::RotaryEmbedding node of ``model`` to ``target``.
 
     Nodes already in the trt-plugin form (op type RopeExportRotaryEmbedding, or RotaryEmbedding from
@@ -56,6 +58,11 @@ def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog 
     outside the cache by gathering per-token caches in the graph (default); False feeds
     position_ids to the op directly, which is faster but requires in-range positions.
     ``log``: a LoweringLog to receive the lowered node names and notes (e.g. missing kernels).
+    ``validate``: also check that cos² + sin² of constant caches is one constant, and afterwards run
+    each lowered node once on a small input against the op contract (``passes.validation``;
+    ``rope-export lower`` always does). Off by default here because ``check`` lowers files with
+    planted cache rows on purpose, to show that it finds them. The caches' stored types and widths
+    are checked either way.
     Raises PassError naming the node, the problem and a target that can express it.
     """
     if target not in TARGETS:
@@ -72,6 +79,13 @@ def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog 
     rule_class = TARGETS[target]
     ir_model = rule_class.prepare(ir_model)
     infer_shapes(ir_model)
+    # planned on the shapes the rule sees, so the small input fits the sizes it bakes into the graph
+    runs = []
+    if validate:
+        runs = validation.plan(ir_model, _custom_nodes(ir_model), out_of_range=guard_positions or target in GUARDED)
+    else:  # the caches' stored types and widths, always: no target can express a float64 or too-wide cache
+        for node in _custom_nodes(ir_model):
+            validation.check_node(node, magnitude=False)
     rule = rule_class(guard_positions=guard_positions, log=log)
     pattern.RewriteRuleSet([rule.as_rule()]).apply_to_model(ir_model)
     left = _custom_nodes(ir_model)
@@ -83,4 +97,24 @@ def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog 
         )
     drop_unused_opsets(ir_model)
     infer_shapes(ir_model)
+    if validate:
+        runtime = _runtime(target, runs, log)
+        if runtime is not None:
+            validation.run(ir_model, runs, runtime, target, log)
     return from_ir(ir_model, kind)
+
+
+GUARDED = ("trt-plugin", "decomposed")  # forms that always keep the pass-through of out-of-range positions
+
+
+def _runtime(target: str, runs, log: LoweringLog) -> str | None:
+    """Where the lowered nodes run once: the runtime the form is written for, where it runs here."""
+    if target == "trt-plugin":
+        return "reference"  # TensorRT is not here; the node's attributes are what can go wrong
+    if not any(run.dtype == "bfloat16" for run in runs):
+        return "onnxruntime"
+    if target == "ort":
+        log.note("not run once after lowering: bfloat16 X under the com.microsoft op runs on neither onnxruntime's "
+                 "CPU provider (no bfloat16 kernels) nor onnx.reference (no com.microsoft kernels)")
+        return None
+    return "reference"  # onnxruntime's CPU provider has no bfloat16 kernels

@@ -117,10 +117,12 @@ def reference_output(x, cos, sin, pos, attrs: RotaryAttrs) -> np.ndarray:
 def rotary_case(layout: str = "bhsd", x_dtype: str = "float32", cache_dtype: str = "float32", rd: int = 0,
                 interleaved: bool = False, with_pos: bool = True, batch: int = 2, heads: int = 3, seq: int = 5,
                 head_dim: int = 16, max_pos: int = 12, opset: int = 17, seed: int = 0, out_of_range: bool = True,
-                multi_node: bool = False, static_dims: bool = True):
+                multi_node: bool = False, static_dims: bool = True, angles: bool = False):
     """(model, feeds, expected): one custom node (or MatMul -> node -> Add) with caches as initializers.
 
     ``out_of_range``: positions span [-2, max_pos + 2) so the contract's pass-through is exercised.
+    ``angles``: caches are cos/sin of random angles (what ``rope-export lower`` accepts), not any
+    values in [-1, 1] (what the op's math alone is tested with).
     """
     rng = np.random.default_rng(seed)
     nh = heads if layout == "bsd" else 0
@@ -141,8 +143,7 @@ def rotary_case(layout: str = "bhsd", x_dtype: str = "float32", cache_dtype: str
     x = (rng.standard_normal(xshape) * 0.5).astype(NP_TYPES[x_dtype])
     feeds = {"x_in" if multi_node else "x": x}
     if with_pos:
-        cos = rng.uniform(-1, 1, (max_pos, half)).astype(NP_TYPES[cache_dtype])
-        sin = rng.uniform(-1, 1, (max_pos, half)).astype(NP_TYPES[cache_dtype])
+        cos, sin = _caches(rng, (max_pos, half), cache_dtype, angles)
         inits += [numpy_helper.from_array(cos, "cos"), numpy_helper.from_array(sin, "sin")]
         low, high = (-2, max_pos + 2) if out_of_range else (0, max_pos)
         pos = rng.integers(low, high, (batch, seq)).astype(np.int64)
@@ -150,8 +151,7 @@ def rotary_case(layout: str = "bhsd", x_dtype: str = "float32", cache_dtype: str
         inputs.append(helper.make_tensor_value_info("pos", TensorProto.INT64, pos_shape))
         feeds["pos"] = pos
     else:
-        cos = rng.uniform(-1, 1, (batch, seq, half)).astype(NP_TYPES[cache_dtype])
-        sin = rng.uniform(-1, 1, (batch, seq, half)).astype(NP_TYPES[cache_dtype])
+        cos, sin = _caches(rng, (batch, seq, half), cache_dtype, angles)
         cshape = [batch, seq, half] if static_dims else ["b", "s", half]
         inputs += [helper.make_tensor_value_info("cos", ct, cshape), helper.make_tensor_value_info("sin", ct, cshape)]
         feeds.update(cos=cos, sin=sin)
@@ -170,6 +170,13 @@ def rotary_case(layout: str = "bhsd", x_dtype: str = "float32", cache_dtype: str
     if multi_node:
         expected = (expected.astype(np.float32) + x_eff.astype(np.float32)).astype(NP_TYPES[x_dtype])
     return model, feeds, expected
+
+
+def _caches(rng, shape, dtype: str, angles: bool) -> tuple[np.ndarray, np.ndarray]:
+    if angles:
+        theta = rng.uniform(-np.pi, np.pi, shape)
+        return np.cos(theta).astype(NP_TYPES[dtype]), np.sin(theta).astype(NP_TYPES[dtype])
+    return (rng.uniform(-1, 1, shape).astype(NP_TYPES[dtype]), rng.uniform(-1, 1, shape).astype(NP_TYPES[dtype]))
 
 
 def ops_of(model: onnx.ModelProto) -> set[tuple[str, str]]:

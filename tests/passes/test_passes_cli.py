@@ -21,7 +21,7 @@ def main(monkeypatch):
 
 @pytest.mark.parametrize("target", ["trt-plugin", "onnx", "ort", "decomposed"])
 def test_lower_writes_the_lowered_file(main, tmp_path, capsys, target):
-    model, feeds, expected = rotary_case(x_dtype="float16", cache_dtype="float32", rd=8)
+    model, feeds, expected = rotary_case(x_dtype="float16", cache_dtype="float32", rd=8, angles=True)
     src, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
     onnx.save(model, src)
     assert main(["lower", str(src), "--target", target, "-o", str(out)]) == 0
@@ -34,7 +34,7 @@ def test_lower_writes_the_lowered_file(main, tmp_path, capsys, target):
 
 
 def test_lower_trust_positions_feeds_position_ids(main, tmp_path):
-    model, _, _ = rotary_case()
+    model, _, _ = rotary_case(angles=True)
     onnx.save(model, tmp_path / "in.onnx")
     argv = ["lower", str(tmp_path / "in.onnx"), "-t", "onnx", "--trust-positions", "-o", str(tmp_path / "o.onnx")]
     assert main(argv) == 0
@@ -48,7 +48,7 @@ def test_lower_errors_name_the_problem(main, tmp_path, capsys):
     (tmp_path / "junk.onnx").write_bytes(b"not a model")
     assert main(["lower", str(tmp_path / "junk.onnx"), "-t", "onnx", "-o", str(tmp_path / "o.onnx")]) == 2
     assert "not a readable ONNX file" in capsys.readouterr().err
-    model, _, _ = rotary_case(layout="bhsd", rd=8, static_dims=False)
+    model, _, _ = rotary_case(layout="bhsd", rd=8, static_dims=False, angles=True)
     model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "h"
     onnx.save(model, tmp_path / "in.onnx")
     assert main(["lower", str(tmp_path / "in.onnx"), "-t", "ort", "-o", str(tmp_path / "o.onnx")]) == 2
