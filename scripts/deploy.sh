@@ -10,8 +10,8 @@
 # it); the whole causal LM is exported with its weights and checked against transformers.
 # Outputs in DIR: model.onnx (custom op), model.<target>.onnx per lowering, model.engine (with
 # TensorRT), report/ (check.json, check.md, error_vs_position.png per artefact), triton/ (a model
-# repository: NAME on onnxruntime, NAME_trt on TensorRT when the engine was built), genai/ (--hf,
-# when this rope-export has `package genai`).
+# repository: NAME on onnxruntime, NAME_trt on TensorRT when the engine was built), genai/ (--hf:
+# the onnxruntime-genai folder).
 set -euo pipefail
 
 preset= hf= dtype=fp16 out=deploy cache_len=
@@ -98,12 +98,9 @@ fi
 step "7/7 write the onnxruntime-genai folder $out/genai"
 if [ -z "$hf" ]; then
   echo "skipped: onnxruntime-genai runs whole causal LMs (--hf), not one attention block"
-elif "$rope" package genai --help >/dev/null 2>&1; then
-  # `rope-export package genai` comes from rope_export/serve/genai.py; its arguments are assumed to be
-  # FILE.onnx -o DIR like `package triton`: check them when that command lands
-  "$rope" package genai "$out/model.onnx.onnx" -o "$out/genai" || fail "package genai"
 else
-  echo "skipped: this rope-export has no 'package genai' command"
+  # exported again from the folder, with the attention_mask input genai feeds for padded batches
+  "$rope" package genai --hf "$hf" --weights "$hf" -o "$out/genai" || fail "package genai"
 fi
 
 step "done: artefacts, reports and the Triton repository in $out/"
