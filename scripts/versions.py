@@ -4,12 +4,12 @@
     python3 scripts/versions.py drift JUNIT_XML # make test-latest: what changed and what broke
 
 ``lock`` resolves with pip itself, in a throwaway virtualenv: torch first (the CPU build on this
-machine's disk, ``TORCH_SPEC``), then the package with its ``dev`` and ``trt-lean`` extras and the
-build backend, with no constraint but the machine's own; ``pip freeze`` of that virtualenv is the
-lock, plus pip's ``--report`` of what ``make test`` installs into folders of its own (TensorRT 10's lean
-runtime, nvidia-pytriton's server). It then prints what changed against the previous lock. ``make demo`` and
-``make test`` install with ``--constraint requirements/lock.txt``, so a fresh clone installs exactly
-these versions.
+machine's disk, ``TORCH_SPEC``), then the package with its ``dev``, ``serve`` and ``trt-lean``
+extras and the build backend, with no constraint but the machine's own; ``pip freeze`` of that
+virtualenv is the lock, plus pip's ``--report`` of what ``make test`` installs into folders of its
+own (TensorRT 10's lean runtime, nvidia-pytriton's server). It then prints what changed against the
+previous lock. ``make demo`` and ``make test`` install with ``--constraint requirements/lock.txt``,
+so a fresh clone installs exactly these versions.
 
 ``drift`` runs in the drift lane's virtualenv (newest releases, no lock) after the test suite: it
 prints every package whose version differs from the lock, and the tests that failed.
@@ -81,7 +81,7 @@ def resolve_newest(workdir: Path) -> dict[str, str]:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     _pip(python, "install", "--quiet", TORCH_SPEC, "setuptools")
-    _pip(python, "install", "--quiet", "--no-build-isolation", "-e", f"{ROOT}[dev,trt-lean]")
+    _pip(python, "install", "--quiet", "--no-build-isolation", "-e", f"{ROOT}[dev,serve,trt-lean]")
     pins = {}
     for line in _pip(python, "freeze", "--all", "--exclude-editable").splitlines():
         if "==" in line:
