@@ -133,14 +133,20 @@ def _set_state(layer, kind: str, index: int, tensor: torch.Tensor, kernel: int |
     layer.has_previous_state[index] = True
 
 
-def make_cache(model):
-    """The DynamicCache transformers would use for ``model``, with sliding-window layers keeping the whole past."""
+def make_cache(model, num_layers: int = 0):
+    """The DynamicCache transformers would use for ``model``, with sliding-window layers keeping the whole past.
+
+    ``num_layers``: at least that many layers (``CacheLayout.num_cache_layers``). A model may append
+    layers on its first call (Dory keeps each later loop over its looped layers in copies after its
+    own layers); a filled cache must already have them, or the past has nowhere to go.
+    """
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     cache = DynamicCache(config=model.config)
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicSlidingWindowLayer:
             cache.layers[index] = DynamicLayer()
+    cache.layers += [DynamicLayer() for _ in range(num_layers - len(cache.layers))]
     return cache
 
 
@@ -312,7 +318,7 @@ class CausalLMWithCache(nn.Module):
         if len(past) != expected:
             raise HFExportError(f"expected {expected} past tensors ({', '.join(self.layout.input_names())}), "
                                 f"got {len(past)}")
-        cache = make_cache(self.model)
+        cache = make_cache(self.model, self.layout.num_cache_layers)
         self.layout.fill(cache, past)
         out = with_cache(self.model, cache, input_ids=input_ids, position_ids=position_ids)
         return (out.logits, *self.layout.present(returned_cache(out)))
