@@ -1,9 +1,11 @@
 """The PyTorch blocks: RoPEAttention against transformers' attention layers, and the other modules.
 
-For each family a transformers attention layer is built offline from a tiny config (eager
-attention), its weights are copied into our RoPEAttention, and both are run on the same hidden
-states and positions: the transformers layer the way its decoder layer calls it (position
-embeddings from the model's rotary module, an additive causal mask [B, 1, S, S]).
+For each family a one-layer transformers causal LM is built offline from a tiny config (eager
+attention), its attention layer's weights are copied into our RoPEAttention, and both are run on
+the same hidden states and positions: the transformers layer through ``rope_export.hf``'s
+``AttentionWithCache``, the way ``export --hf --layer`` runs it (position embeddings from the
+model's rotary module, an additive causal mask, an empty past), so a change in how transformers
+calls its attention layers is handled in one place, the product.
 """
 
 from __future__ import annotations
@@ -25,15 +27,8 @@ from transformers import (
     PhiConfig,
     Qwen2Config,
 )
-from transformers.models.gemma.modeling_gemma import GemmaAttention, GemmaRotaryEmbedding
-from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
-from transformers.models.gptj.modeling_gptj import GPTJAttention
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
-from transformers.models.mistral.modeling_mistral import MistralAttention, MistralRotaryEmbedding
-from transformers.models.phi.modeling_phi import PhiAttention, PhiRotaryEmbedding
-from transformers.models.phi3.modeling_phi3 import Phi3Attention, Phi3RotaryEmbedding
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
+from rope_export import hf
 from rope_export.modules import (
     AttentionConfig,
     AttentionConfigError,
@@ -52,10 +47,24 @@ CACHE_LEN = 8192  # rows of our static caches: enough for every position used he
 # -- helpers ---------------------------------------------------------------------------------------
 
 
-def causal_mask(batch: int, seq: int) -> torch.Tensor:
-    """Additive float32 mask [B, 1, S, S]: 0 on and below the diagonal, the float32 minimum above."""
-    mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)
-    return mask[None, None].expand(batch, 1, seq, seq)
+def hf_attention(config):
+    """(the attention layer of a one-layer causal LM of ``config``, hidden, position_ids -> that layer's output).
+
+    The layer runs inside ``hf.AttentionWithCache`` with an empty past: its own projections and
+    attention, position embeddings from the model's rotary module, a causal mask.
+    """
+    config.num_hidden_layers, config.vocab_size, config.pad_token_id = 1, 16, None  # Phi-3's pad id is past 16
+    if hasattr(config, "intermediate_size"):
+        config.intermediate_size = 16  # the MLP is not compared: keep the model small
+    model = hf.build_hf_model(config, seed=1)
+    wrapper = hf.AttentionWithCache(model, 0).eval()
+    (layer_io,) = hf.cache_layout(model).layers
+
+    def run(hidden, position_ids):
+        past_key, past_value = (torch.zeros(shape) for shape in layer_io.shapes(hidden.shape[0], 0))
+        return wrapper(hidden, position_ids, past_key, past_value)[0]
+
+    return wrapper.attention, run
 
 
 def rope_parameters(preset: Preset) -> dict:
@@ -92,8 +101,8 @@ def hidden_and_positions(preset: Preset, batch: int, seq: int, offsets: tuple[in
 Builder = Callable[[Preset], tuple[RoPEAttention, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]]
 
 
-def llama_like(config_cls, attention_cls, rotary_cls, o_name: str = "o_proj", **extra) -> Builder:
-    """Families with separate q/k/v projections and a rotary module giving (cos, sin)."""
+def llama_like(config_cls, o_name: str = "o_proj", **extra) -> Builder:
+    """Families with separate q/k/v projections."""
 
     def build(preset: Preset):
         a = preset.attention
@@ -106,17 +115,9 @@ def llama_like(config_cls, attention_cls, rotary_cls, o_name: str = "o_proj", **
             rope_parameters=rope_parameters(preset),
             **extra,
         )
-        config._attn_implementation = "eager"
-        torch.manual_seed(1)
-        layer = attention_cls(config, layer_idx=0).eval()
+        layer, run = hf_attention(config)
         block = preset.build_block(cache_len=CACHE_LEN)
         copy_separate(block, layer.q_proj, layer.k_proj, layer.v_proj, getattr(layer, o_name))
-
-        def run(hidden, position_ids):
-            position_embeddings = rotary_cls(config)(hidden, position_ids)  # fresh: dynamic types keep state
-            mask = causal_mask(*hidden.shape[:2])
-            return layer(hidden, position_embeddings=position_embeddings, attention_mask=mask)[0]
-
         return block, run
 
     return build
@@ -132,10 +133,8 @@ def build_phi3(preset: Preset):
         original_max_position_embeddings=preset.rope.original_max_position_embeddings,
         rope_parameters=rope_parameters(preset),
     )
-    config._attn_implementation = "eager"
     assert a.hidden_size // a.num_heads == a.head_dim  # Phi-3 derives head_dim from these
-    torch.manual_seed(1)
-    layer = Phi3Attention(config, layer_idx=0).eval()
+    layer, run = hf_attention(config)
     block = preset.build_block(cache_len=CACHE_LEN)
     q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     w = layer.qkv_proj.weight  # rows: [q | k | v]
@@ -143,11 +142,6 @@ def build_phi3(preset: Preset):
     copy_linear(block.k_proj, w[q_size : q_size + kv_size], None)
     copy_linear(block.v_proj, w[q_size + kv_size :], None)
     copy_linear(block.o_proj, layer.o_proj.weight, None)
-
-    def run(hidden, position_ids):
-        position_embeddings = Phi3RotaryEmbedding(config)(hidden, position_ids)
-        return layer(hidden, position_embeddings=position_embeddings, attention_mask=causal_mask(*hidden.shape[:2]))[0]
-
     return block, run
 
 
@@ -161,9 +155,7 @@ def build_gpt_neox(preset: Preset):
         rope_parameters={**rope_parameters(preset), "partial_rotary_factor": preset.rope.partial_rotary_factor},
         attention_bias=a.qkv_bias,
     )
-    config._attn_implementation = "eager"
-    torch.manual_seed(1)
-    layer = GPTNeoXAttention(config, layer_idx=0).eval()
+    layer, run = hf_attention(config)
     block = preset.build_block(cache_len=CACHE_LEN)
     # query_key_value is fused per head: output rows laid out [H, 3, D]
     h, d = a.num_heads, a.head_dim
@@ -172,11 +164,6 @@ def build_gpt_neox(preset: Preset):
     for i, dst in enumerate((block.q_proj, block.k_proj, block.v_proj)):
         copy_linear(dst, w[:, i].reshape(h * d, a.hidden_size), b[:, i].reshape(h * d))
     copy_linear(block.o_proj, layer.dense.weight, layer.dense.bias)
-
-    def run(hidden, position_ids):
-        position_embeddings = GPTNeoXRotaryEmbedding(config)(hidden, position_ids)
-        return layer(hidden, attention_mask=causal_mask(*hidden.shape[:2]), position_embeddings=position_embeddings)[0]
-
     return block, run
 
 
@@ -186,24 +173,17 @@ def build_gptj(preset: Preset):
     config = GPTJConfig(
         n_embd=a.hidden_size, n_head=a.num_heads, rotary_dim=rope.rotary_dim, n_positions=rope.max_position_embeddings
     )
-    config._attn_implementation = "eager"
-    torch.manual_seed(1)
-    layer = GPTJAttention(config, layer_idx=0).eval()
+    layer, run = hf_attention(config)  # GPT-J's sinusoid table: its rotary module since transformers 5.24
     block = preset.build_block(cache_len=CACHE_LEN)
     copy_separate(block, layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj)
-
-    def run(hidden, position_ids):
-        # GPT-J rotates with its own sinusoid table, gathered from position_ids inside the layer
-        return layer(hidden, attention_mask=causal_mask(*hidden.shape[:2]), position_ids=position_ids)[0]
-
     return block, run
 
 
 FAMILIES = {
-    "llama": llama_like(LlamaConfig, LlamaAttention, LlamaRotaryEmbedding, attention_bias=False),
-    "mistral": llama_like(MistralConfig, MistralAttention, MistralRotaryEmbedding),
-    "qwen2": llama_like(Qwen2Config, Qwen2Attention, Qwen2RotaryEmbedding),
-    "gemma": llama_like(GemmaConfig, GemmaAttention, GemmaRotaryEmbedding, attention_bias=False),
+    "llama": llama_like(LlamaConfig, attention_bias=False),
+    "mistral": llama_like(MistralConfig),
+    "qwen2": llama_like(Qwen2Config),
+    "gemma": llama_like(GemmaConfig, attention_bias=False),
     "phi3": build_phi3,
     "gpt_neox": build_gpt_neox,
     "gptj": build_gptj,
@@ -291,16 +271,13 @@ def test_phi_block_matches_transformers_attention(offsets):
         rope_parameters=rope_parameters(preset),
         qk_layernorm=False,
     )
-    config._attn_implementation = "eager"
-    torch.manual_seed(1)
-    layer = PhiAttention(config, layer_idx=0).eval()
+    layer, run = hf_attention(config)
     assert layer.rotary_ndims == preset.rope.rotary_embedding_dim == 32
     block = preset.build_block(cache_len=CACHE_LEN)
     copy_separate(block, layer.q_proj, layer.k_proj, layer.v_proj, layer.dense)
     hidden, position_ids = hidden_and_positions(preset, batch=2, seq=6, offsets=offsets)
     with torch.no_grad():
-        position_embeddings = PhiRotaryEmbedding(config)(hidden, position_ids)
-        expected = layer(hidden, position_embeddings=position_embeddings, attention_mask=causal_mask(2, 6))[0]
+        expected = run(hidden, position_ids)
         ours, _, _ = block(hidden, position_ids)
     assert BLOCK_TOL.allclose(ours, expected), f"max abs error {(ours - expected).abs().max().item():.3g}"
 

@@ -189,6 +189,7 @@ class TransformersReference(Reference):
     def _causal_lm(self, model, case) -> dict[str, np.ndarray]:
         from transformers.cache_utils import DynamicCache
 
+        from rope_export.hf.cache_io import returned_cache, with_cache
         from rope_export.runners import to_numpy, to_torch
 
         feeds = {k: to_torch(v) for k, v in case.feeds.items()}
@@ -200,9 +201,9 @@ class TransformersReference(Reference):
         kwargs = {k: feeds[k] for k in ("attention_mask", "position_ids") if k in feeds}
         # without position_ids transformers numbers the new tokens from the past length, as a file without
         # that input does (the cases' masks are all ones, so the mask and the past agree)
-        out = model(input_ids=feeds["input_ids"], past_key_values=cache, use_cache=True, **kwargs)
+        out = with_cache(model, cache, input_ids=feeds["input_ids"], **kwargs)
         result = {"logits": to_numpy(out.logits)}
-        layers = out.past_key_values.layers
+        layers = returned_cache(out).layers
         for i in self.layers:
             result[f"present.{i}.key"] = to_numpy(layers[i].keys)
             result[f"present.{i}.value"] = to_numpy(layers[i].values)

@@ -13,7 +13,8 @@ the file. The modules:
 * ``hooking``: the rotary hook on the model's own functions, and the guard that keeps the model
   unchanged;
 * ``cache_io``: per-layer cache geometry, the wrappers with flat past/present tensors (and an
-  optional attention_mask input);
+  optional attention_mask input), and the few places that know transformers' calling conventions
+  (the cache keyword, the attention layers, the rotary module and its position embeddings);
 * ``kv_buffer``: the cache as preallocated buffers updated in place (``export_hf(kv_buffer=True)``);
 * ``counting``: the eager rotation count against the file;
 * ``metadata``: the ``rope_export.*`` metadata, and reading it back;
@@ -30,11 +31,15 @@ from rope_export.hf.cache_io import (
     CausalLMWithCache,
     LayerIO,
     attention_layers,
+    cache_keyword,
     cache_layout,
     hf_example_inputs,
     hf_io_names,
     make_cache,
+    position_embeddings,
+    returned_cache,
     rotary_module,
+    with_cache,
 )
 from rope_export.hf.cli import register_hf_arguments, run_hf_export, wants_hf_export
 from rope_export.hf.errors import HFExportError
@@ -59,6 +64,7 @@ __all__ = [
     "LayerIO",
     "attention_layers",
     "build_hf_model",
+    "cache_keyword",
     "cache_layout",
     "export_hf",
     "family_of",
@@ -68,8 +74,10 @@ __all__ = [
     "load_hf_config",
     "make_cache",
     "model_state_kept",
+    "position_embeddings",
     "read_hf_metadata",
     "register_hf_arguments",
+    "returned_cache",
     "rope_config_from_hf",
     "rotary_hooked",
     "rotary_module",
@@ -77,4 +85,5 @@ __all__ = [
     "run_hf_export",
     "text_config",
     "wants_hf_export",
+    "with_cache",
 ]

@@ -133,18 +133,57 @@ def _set_state(layer, kind: str, index: int, tensor: torch.Tensor, kernel: int |
     layer.has_previous_state[index] = True
 
 
-def make_cache(model):
-    """The DynamicCache transformers would use for ``model``, with sliding-window layers keeping the whole past."""
+def make_cache(model, num_layers: int = 0):
+    """The DynamicCache transformers would use for ``model``, with sliding-window layers keeping the whole past.
+
+    ``num_layers``: at least that many layers (``CacheLayout.num_cache_layers``). A model may append
+    layers on its first call (Dory keeps each later loop over its looped layers in copies after its
+    own layers); a filled cache must already have them, or the past has nowhere to go.
+    """
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     cache = DynamicCache(config=model.config)
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicSlidingWindowLayer:
             cache.layers[index] = DynamicLayer()
+    cache.layers += [DynamicLayer() for _ in range(num_layers - len(cache.layers))]
     return cache
 
 
+# The keyword a transformers forward takes its Cache by: ``cache`` since 5.24 (which still accepts the
+# deprecated ``past_key_values``), ``past_key_values`` before, ``layer_past`` on GPT-J's attention before 5.24.
+CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past")
+
+
+def cache_keyword(forward) -> str:
+    """Which of ``CACHE_KEYWORDS`` the callable (a module or its forward) takes; ``past_key_values`` if none."""
+    names = inspect.signature(forward).parameters
+    return next((name for name in CACHE_KEYWORDS if name in names), "past_key_values")
+
+
+def with_cache(model, cache, **inputs):
+    """``model(**inputs)`` with ``cache`` handed in under the keyword the model's forward takes, and ``use_cache``."""
+    return model(**inputs, **{cache_keyword(model.forward): cache}, use_cache=True)
+
+
+def returned_cache(output):
+    """The Cache a transformers forward returned: ``output.cache`` since 5.24, ``output.past_key_values`` before
+    (5.24 keeps that name as a property that logs a deprecation)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
 CHECKED_WINDOW = 256  # windows up to this are checked by running past them
+
+
+def _code_names(code) -> set[str]:
+    """The global names a code object reads, its nested functions' included (transformers 5.24's Llama 4
+    builds its masks in lambdas inside forward)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
 
 
 def _forward_names(model) -> set[str]:
@@ -154,7 +193,7 @@ def _forward_names(model) -> set[str]:
         forward = getattr(cls, "forward", None)
         code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
         if code is not None:
-            names |= set(code.co_names)
+            names |= _code_names(code)
     return names
 
 
@@ -183,8 +222,8 @@ def check_sliding_layers(model) -> None:
     logits = []
     with torch.no_grad():
         for cache in (reference, make_cache(model)):
-            model(input_ids=ids[:, :length], past_key_values=cache, use_cache=True)
-            logits.append(model(input_ids=ids[:, length:], past_key_values=cache, use_cache=True).logits)
+            with_cache(model, cache, input_ids=ids[:, :length])
+            logits.append(with_cache(model, cache, input_ids=ids[:, length:]).logits)
     if not torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4):
         raise HFExportError(
             f"{model.config.model_type}: its sliding-window layers (window {max(windows)}) rely on the cache dropping "
@@ -219,16 +258,16 @@ def cache_layout(model) -> CacheLayout:
     cache = make_cache(model)
     with torch.no_grad():
         try:
-            out = model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=True, past_key_values=cache)
+            out = with_cache(model, cache, input_ids=torch.zeros(1, 2, dtype=torch.long))
         except ValueError as exc:  # e.g. "MiniMax uses cache of its own and is not compatible with DynamicCache"
             first = str(exc).strip().splitlines()[0]
             raise HFExportError(f"{model.config.model_type}: its cache is not transformers' DynamicCache ({first}); "
                                 "rope-export exports DynamicCache models only") from None
-    filled = getattr(out, "past_key_values", None)
+    filled = returned_cache(out)
     if not isinstance(filled, Cache):
         raise HFExportError(
             f"{model.config.model_type}: {type(model).__name__} returns no transformers Cache "
-            f"(past_key_values is {type(filled).__name__}); rope-export exports models with a DynamicCache only"
+            f"(its cache is {type(filled).__name__}); rope-export exports models with a DynamicCache only"
         )
     layers = [io for index, layer in enumerate(filled.layers) if (io := _layer_io(index, layer)) is not None]
     if not any("key" in io.names() for io in layers):
@@ -292,11 +331,10 @@ class CausalLMWithCache(nn.Module):
         if len(past) != expected:
             raise HFExportError(f"expected {expected} past tensors ({', '.join(self.layout.input_names())}), "
                                 f"got {len(past)}")
-        cache = make_cache(self.model)
+        cache = make_cache(self.model, self.layout.num_cache_layers)
         self.layout.fill(cache, past)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
-                         use_cache=True)
-        return (out.logits, *self.layout.present(out.past_key_values))
+        out = with_cache(self.model, cache, input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+        return (out.logits, *self.layout.present(returned_cache(out)))
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -308,11 +346,21 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def rotary_module(model: nn.Module) -> nn.Module | None:
+    """The text decoder's rotary module (``*RotaryEmbedding``); None when its attention computes its own angles."""
     for m in model.modules():
         name = type(m).__name__
         if name.endswith("RotaryEmbedding") and "Vision" not in name:
             return m
     return None
+
+
+def position_embeddings(model: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor):
+    """What the decoder hands its attention layers as ``position_embeddings``: its rotary module's output
+    for these positions (``(cos, sin)`` mostly; ``(sin, cos)`` for GPT-J since transformers 5.24, which
+    moved GPT-J's sin|cos table from its attention into ``GPTJRotaryEmbedding``; Llama 4's complex
+    freqs_cis). None when the model has no rotary module (the attention takes ``position_ids``)."""
+    rotary = rotary_module(model)
+    return None if rotary is None else rotary(hidden_states, position_ids)
 
 
 class AttentionWithCache(nn.Module):
@@ -332,6 +380,7 @@ class AttentionWithCache(nn.Module):
         self.rotary = rotary_module(model)
         self.layer = layer
         self._parameters_of = set(inspect.signature(self.attention.forward).parameters)
+        self._cache_keyword = cache_keyword(self.attention.forward)
 
     def forward(self, hidden_states, position_ids, past_key, past_value):
         from transformers.cache_utils import DynamicCache
@@ -346,9 +395,8 @@ class AttentionWithCache(nn.Module):
         mask = torch.zeros(blocked.shape, dtype=hidden_states.dtype, device=hidden_states.device)
         mask = mask.masked_fill(blocked, torch.finfo(hidden_states.dtype).min)
         mask = mask.expand(hidden_states.shape[0], 1, seq, total)
-        kwargs = {"attention_mask": mask}
+        kwargs = {"attention_mask": mask, self._cache_keyword: cache}
         names = self._parameters_of
-        kwargs["past_key_values" if "past_key_values" in names else "layer_past"] = cache
         if "position_embeddings" in names and self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(hidden_states, position_ids)
         if "position_ids" in names and self.rotary is None:

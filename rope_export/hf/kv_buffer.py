@@ -188,7 +188,7 @@ class CausalLMWithKVBuffer(torch.nn.Module):
                                 "cache layer (this model has other states)")
 
     def forward(self, input_ids, position_ids, attention_mask, *buffers):
-        from rope_export.hf.cache_io import make_cache
+        from rope_export.hf.cache_io import make_cache, with_cache
 
         past = attention_mask.shape[1] - input_ids.shape[1]
         start = torch.full((input_ids.shape[0],), past, dtype=torch.long)
@@ -196,8 +196,8 @@ class CausalLMWithKVBuffer(torch.nn.Module):
         tensors = iter(buffers)
         for io in self.layout.layers:
             cache.layers[io.index] = BufferLayer(next(tensors), next(tensors), start, past)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache, use_cache=True)
+        out = with_cache(self.model, cache, input_ids=input_ids, position_ids=position_ids,
+                         attention_mask=attention_mask)
         present = [t for io in self.layout.layers for t in (cache.layers[io.index].keys, cache.layers[io.index].values)]
         return (out.logits, *present)
 

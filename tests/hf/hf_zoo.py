@@ -94,7 +94,7 @@ def compare_with_transformers(model, result: hf.HFExportResult, steps: int = 1) 
     for step in range(steps + 1):
         pos = positions(rank, start, ids.shape[1])
         with torch.no_grad():
-            want = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            want = hf.with_cache(model, cache, input_ids=ids, position_ids=pos).logits
         out = run([ids.numpy(), pos.numpy(), *past])
         worst = max(worst, _compare(out[0], want, f"step {step} logits"))
         past = out[1:]

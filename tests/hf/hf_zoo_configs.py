@@ -81,6 +81,15 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention"], indexer_n_heads=2,
                            indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=2),
     "longcat_flash": dict(num_layers=1, ffn_hidden_size=64, expert_ffn_hidden_size=16, moe_topk=2, zero_expert_num=2),
+    # Dory's default config lists an "mlp" block after each layer; one input, one looped (twice), one output layer
+    "dory": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_hidden_layers=3,
+                 n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2),
+    # only LaRA-mini's sliding layers rotate (its global layers are NoPE): one layer of each kind
+    "lara_mini": dict(layer_types=["linear_attention", "sliding_attention", "full_attention"], num_hidden_layers=3),
+    # llama3 scaling whose original length (default 8192) is below the tiny max_position_embeddings
+    "apertus1p5_text": dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                                 original_max_position_embeddings=16, low_freq_factor=1.0,
+                                                 high_freq_factor=4.0)),
 }
 
 
@@ -145,20 +154,20 @@ def tiny_config(model_type: str, **extra):
 
 # -- which types the zoo holds ------------------------------------------------------------------
 
-# Every RoPE causal-LM model type of transformers 5.23 (its modeling file has a rotary function or
+# Every RoPE causal-LM model type of transformers 5.24 (its modeling file has a rotary function or
 # class; AutoModelForCausalLM maps it), in the zoo or out of it with the reason.
 ZOO_TYPES = tuple("""
-afmoe apertus arcee aria_text axk1 axk2 bailing_hybrid bamba beam bitnet codegen cohere cohere2 cohere2_moe
-cohere_compass_text cwm dbrx deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 diffllama doge dots1 ernie4_5
-ernie4_5_moe exaone4 exaone_moe falcon falcon_h1 flex_olmo flint gemma gemma2 gemma3_text gemma3n_text gemma4_text
-gemma4_unified_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt_neox gpt_neox_japanese gpt_oss gptj granite
-granite_swa granitemoe granitemoe_swa granitemoehybrid granitemoeshared helium hrm_text hunyuan_v1_dense
-hunyuan_v1_moe hy_v3 hy_v4 hyperclovax inkling2_text internlm3 iquestcoder jais2 jamba jetmoe kolibri1 laguna lfm2
-lfm2_moe lfm3 llama llama4_text longcat_flash mellum mimo_v2_flash minicpm3 minimax minimax_m2 minimax_m3_vl_text
-ministral ministral3 mistral mixtral modernbert-decoder moshi nanochat nemotron olmo olmo2 olmo3
-olmo_hybrid olmoe persimmon phi phi3 phi4_multimodal phimoe qwen2 qwen2_moe qwen3 qwen3_5_moe_text qwen3_5_text
-qwen3_moe qwen3_next qwen4_exp_text recurrent_gemma seed_oss smollm3 solar_open stablelm starcoder2 vaultgemma youtu
-zamba2 zaya
+afmoe apertus apertus1p5_text arcee aria_text axk1 axk2 bailing_hybrid bamba beam bitnet codegen cohere cohere2
+cohere2_moe cohere_compass_text cwm dbrx deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 diffllama doge dory dots1
+ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon falcon_h1 flex_olmo flint gemma gemma2 gemma3_text
+gemma3n_text gemma4_text gemma4_unified_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt_neox gpt_neox_japanese
+gpt_oss gptj granite granite_swa granitemoe granitemoe_swa granitemoehybrid granitemoeshared helium hrm_text
+hunyuan_v1_dense hunyuan_v1_moe hy_v3 hy_v4 hyperclovax inkling2_text internlm3 iquestcoder jais2 jamba jetmoe
+kolibri1 laguna lara_mini lfm2 lfm2_moe lfm3 llama llama4_text longcat_flash mellum mimo_v2_flash minicpm3 minimax
+minimax_m2 minimax_m3_vl_text ministral ministral3 mistral mixtral modernbert-decoder moshi nanochat nemotron olmo
+olmo2 olmo3 olmo_hybrid olmoe persimmon phi phi3 phi4_multimodal phimoe qwen2 qwen2_moe qwen3 qwen3_5_moe_text
+qwen3_5_text qwen3_moe qwen3_next qwen4_exp_text recurrent_gemma sarvam_mla sarvam_moe seed_oss smollm3 solar_open
+stablelm starcoder2 vaultgemma youtu zamba2 zaya
 """.split())
 
 NOT_IN_ZOO = {

@@ -140,7 +140,7 @@ def generate_and_compare(family: str, onnx_model: onnx.ModelProto, run, steps: i
     for step in range(steps + 1):
         pos = positions(family, batch, start, ids.shape[1])
         with torch.no_grad():
-            want = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            want = hf.with_cache(model, cache, input_ids=ids, position_ids=pos).logits
         out = run([ids.numpy(), pos.numpy(), *past])
         assert_close(out[0], want, f"{family} step {step} logits")
         past = out[1:]
@@ -196,21 +196,19 @@ def test_metadata_rope_parameters_rebuild_transformers_cos_sin(family):
     cos_cache, sin_cache = build_caches(rope, 32)
     pos = torch.arange(20).expand(2, 20)
     half = rope.rotary_embedding_dim // 2
-    if family == "gptj":  # GPT-J keeps sin|cos per position in a buffer, pairs interleaved
+    with torch.no_grad():  # what the decoder hands its attention layers
+        embeddings = hf.position_embeddings(model, torch.zeros(1, dtype=torch.float32), pos)
+    if embeddings is None:  # GPT-J before transformers 5.24: its attention gathered sin|cos itself
+        pytest.skip(f"{family}: no rotary module in transformers {transformers.__version__}")
+    if family == "gptj":  # GPT-J: sin and cos [B, S, rd/2] from its sin|cos table, pairs interleaved
         assert rope.interleaved and rope.rotary_dim == 4
-        table = model.transformer.h[0].attn.embed_positions[:20]
-        sin, cos = table[:, :half], table[:, half:]
-        pos = pos[0]
+        sin, cos = embeddings
     elif family == "llama4":  # complex freqs_cis [B, S, D/2]
         assert rope.interleaved
-        with torch.no_grad():
-            freqs_cis = hf.rotary_module(model)(torch.zeros(1, dtype=torch.float32), pos)
-        cos, sin = freqs_cis.real, freqs_cis.imag
+        cos, sin = embeddings.real, embeddings.imag
     else:
         assert not rope.interleaved
-        rotary = hf.rotary_module(model)
-        with torch.no_grad():
-            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+        cos, sin = embeddings
         assert cos.shape[-1] == 2 * half  # transformers' cat(freqs, freqs)
         cos, sin = cos[..., :half], sin[..., :half]
     op_tol = tolerance("op", "float32")
@@ -253,14 +251,13 @@ def test_attention_layer_export_matches_the_layer_inside_transformers(family):
 
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 64, (2, 5)), position_ids=positions(family, 2, 0, 5),
-              past_key_values=cache, use_cache=True)
+        hf.with_cache(model, cache, input_ids=torch.randint(0, 64, (2, 5)), position_ids=positions(family, 2, 0, 5))
         past_key, past_value = cache.layers[1].keys.clone(), cache.layers[1].values.clone()
         hooks = [attention.register_forward_pre_hook(grab_input, with_kwargs=True),
                  attention.register_forward_hook(grab_output, with_kwargs=True)]
         try:
             pos = positions(family, 2, 5, 3)
-            model(input_ids=torch.randint(0, 64, (2, 3)), position_ids=pos, past_key_values=cache, use_cache=True)
+            hf.with_cache(model, cache, input_ids=torch.randint(0, 64, (2, 3)), position_ids=pos)
         finally:
             for h in hooks:
                 h.remove()
