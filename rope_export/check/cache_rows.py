@@ -202,26 +202,69 @@ def _rotate(golden: _Golden, sl: RotarySlice, x: np.ndarray, positions: np.ndarr
     return _per_token(y.float().numpy(), rank)
 
 
-def _chunks(limit: int, width: int, out_of_range: bool) -> list[np.ndarray]:
-    size = max(1, min(limit, CHUNK_ELEMENTS // max(width, 1)))
-    chunks = [np.arange(start, min(start + size, limit)) for start in range(0, limit, size)]
+OUT_OF_RANGE = (-1, -7)  # and limit, limit + 1, 2 * limit + 5
+
+
+def _chunks(limit: int, width: int, out_of_range: bool, fixed: int | None = None) -> list[np.ndarray]:
+    """Positions covering [0, limit) in runs of bounded size; ``fixed``: every run exactly that long (the
+    file's static sequence length; the last run ends at limit - 1)."""
+    if fixed:
+        chunks = [np.arange(start, start + fixed) for start in (*range(0, limit - fixed, fixed), limit - fixed)]
+    else:
+        size = max(1, min(limit, CHUNK_ELEMENTS // max(width, 1)))
+        chunks = [np.arange(start, min(start + size, limit)) for start in range(0, limit, size)]
     if out_of_range:
-        chunks.append(np.array([-1, -7, limit, limit + 1, 2 * limit + 5]))
+        outside = np.array([*OUT_OF_RANGE, limit, limit + 1, 2 * limit + 5])
+        chunks.append(np.resize(outside, fixed) if fixed else outside)
     return chunks
 
 
-def _slice_feeds(sl: RotarySlice, positions: np.ndarray, rng) -> dict[str, np.ndarray]:
-    from rope_export.check.inputs import input_role
+def _static(dim) -> int | None:
+    return dim if isinstance(dim, int) and dim > 0 else None
 
-    s = len(positions)
-    feeds, _ = make_feeds(sl.graph_inputs, Sizes(1, s, 0), int(positions[0]), InputPlan(vocab=2), rng)
-    for spec in sl.graph_inputs:
-        if input_role(spec) == "position_ids":
-            feeds[spec.name] = np.broadcast_to(positions, feeds[spec.name].shape).astype(spec.dtype)
+
+def _fixed_seq(sl: RotarySlice) -> int | None:
+    """The sequence length the file fixes for this node (X's, or its positions'), or None when dynamic."""
     dims = sl.x.dims
-    shape = (1, dims[1], s, dims[3]) if len(dims) == 4 else (1, s, dims[2])
+    fixed = _static(dims[2] if len(dims) == 4 else dims[1])
+    for spec in sl.position_inputs:
+        if fixed is None and spec.dims and len(spec.dims) >= 2:
+            fixed = _static(spec.dims[-1])
+    return fixed
+
+
+def _slice_feeds(sl: RotarySlice, positions: np.ndarray, rng) -> dict[str, np.ndarray]:
+    s = len(positions)
+    batch = _static(sl.x.dims[0]) or 1
+    feeds, _ = make_feeds(sl.graph_inputs, Sizes(batch, s, 0), int(positions[0]), InputPlan(vocab=2), rng)
+    for spec in sl.position_inputs:  # found by data flow, whatever the input is called
+        shape = feeds[spec.name].shape
+        value = np.broadcast_to(positions, shape) if shape and shape[-1] == s else np.full(shape, positions[0])
+        feeds[spec.name] = value.astype(spec.dtype)
+    dims = sl.x.dims
+    shape = (batch, dims[1], s, dims[3]) if len(dims) == 4 else (batch, s, dims[2])
     feeds[sl.x.name] = rng.standard_normal(shape, dtype=np.float32).astype(sl.x.dtype)
     return feeds
+
+
+class _PositionsRead:
+    """The positions the node reads where the graph computes them (start_pos + arange, arange over the
+    sequence, ...): the nodes between the inputs and the node, evaluated by onnx.reference."""
+
+    def __init__(self, sl: RotarySlice):
+        self.evaluator = None
+        if sl.positions_model is not None:
+            from onnx.reference import ReferenceEvaluator
+
+            self.evaluator = ReferenceEvaluator(sl.positions_model)
+            self.names = [i.name for i in sl.positions_model.graph.input]
+
+    def __call__(self, feeds: dict[str, np.ndarray], fed: np.ndarray) -> np.ndarray:
+        if self.evaluator is None:
+            return fed
+        (value,) = self.evaluator.run(None, {n: feeds[n] for n in self.names})
+        value = np.asarray(value, np.int64)
+        return value.reshape(-1, value.shape[-1])[0] if value.ndim else np.full(len(fed), int(value))
 
 
 def _golden_for(sl: RotarySlice, mf: ModelFile, rope: RopeConfig | None, position_limit: int | None,
@@ -267,7 +310,14 @@ def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, rope: RopeC
         passes = out_of_range_allowed and golden.limit is not None and (
             sl.chosen.kind in CONTRACT_KINDS or not sl.chosen.position_ids)
         width = int(np.prod([d for d in sl.x.dims if isinstance(d, int)]))
-        chunks = _chunks(limit, width, passes)
+        fixed = _fixed_seq(sl)
+        if fixed is not None and fixed > limit:
+            notes.append(f"{sl.label}: not swept: the file fixes its sequence at {fixed} tokens, more than the "
+                         f"{limit} positions to sweep")
+            continue
+        if fixed is not None:
+            notes.append(f"{sl.label}: run alone {fixed} tokens at a time (the file's static sequence length)")
+        chunks = _chunks(limit, width, passes, fixed)
         slice_file = ModelFile.open(sl.model)
         runners = {}
         for name in runner_names:
@@ -309,11 +359,14 @@ def _run_sweep(sl, golden: _Golden, chunks, runners: dict, results: dict[str, Sw
         golden.runner.activate()
     bad: dict[str, list] = {name: [] for name in active}
     output = sl.chosen.node.output[0]
+    read = _PositionsRead(sl)
+    covered = {name: np.zeros(limit, bool) for name in active}
     try:
-        for positions in chunks:
-            feeds = _slice_feeds(sl, positions, rng)
+        for fed in chunks:
+            feeds = _slice_feeds(sl, fed, rng)
             x = feeds[sl.x.name]
             try:
+                positions = read(feeds, fed)  # what the node reads, where the graph computes it from the feeds
                 if golden.kind == "runner":
                     want = _per_token(golden.runner.infer(feeds)[output], rank)
                 else:
@@ -339,7 +392,9 @@ def _run_sweep(sl, golden: _Golden, chunks, runners: dict, results: dict[str, Sw
                 r.position_error.add(positions, token_err)
                 r.max_abs = max(r.max_abs or 0.0, float(token_err.max(initial=0.0)))
                 inside = (positions >= 0) & (positions < limit)
-                r.positions += int(inside.sum())
+                fresh = np.unique(positions[inside])  # runs of a static length overlap at the end
+                r.positions += int((~covered[name][fresh]).sum())
+                covered[name][fresh] = True
                 r.out_of_range += int((~inside).sum())
     finally:
         for runner in started:

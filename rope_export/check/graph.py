@@ -111,6 +111,10 @@ class RotarySlice:
     graph_inputs: list[TensorSpec]  # the file's inputs the caches come from (position_ids)
     rotary_dim: int | None
     tables: dict[str, str] = field(default_factory=dict)  # "cos"/"sin" -> stored [rows, rd/2] initializer
+    # the integer graph inputs the node's positions come from (found by data flow, whatever their names)
+    position_inputs: list[TensorSpec] = field(default_factory=list)
+    # the nodes computing the node's position_ids from those inputs (None: it reads a graph input as it is)
+    positions_model: onnx.ModelProto | None = None
 
     @property
     def label(self) -> str:
@@ -232,7 +236,27 @@ def _build_slice(mf, members, rn, x, nodes, inits, inputs, rotary_dim) -> Rotary
     model = helper.make_model(graph, opset_imports=list(mf.proto.opset_import), ir_version=mf.proto.ir_version)
     model.functions.extend(mf.proto.functions)
     tables = _stored_tables(mf, rn, rotary_dim)
-    return RotarySlice(members, rn, model, x_spec, graph_inputs, rotary_dim, tables)
+    positions, positions_model = _positions_of(mf, rn, graph_inputs)
+    return RotarySlice(members, rn, model, x_spec, graph_inputs, rotary_dim, tables, positions, positions_model)
+
+
+def _positions_of(mf: ModelFile, rn: RotaryNode, graph_inputs: list[TensorSpec]):
+    """(the integer graph inputs the node's positions come from, a model computing its position_ids from the
+    slice's inputs when they are not one of those as it is). Without position_ids the positions are what
+    the per-token caches are computed from."""
+    walk = _Walk(mf, cut=rn.x)
+    nodes, _, reached = walk.ancestors([rn.position_ids] if rn.position_ids else [rn.cos, rn.sin])
+    integer = [s for s in graph_inputs if s.name in reached and not s.is_float and s.dtype.kind in "iu"]
+    if not rn.position_ids or rn.position_ids in {s.name for s in graph_inputs}:
+        return integer, None
+    _, inits, _ = walk.ancestors([rn.position_ids])
+    graph = helper.make_graph(
+        nodes, "positions", [_value_info(s) for s in graph_inputs],
+        [helper.make_tensor_value_info(rn.position_ids, onnx.TensorProto.INT64, None)],
+        initializer=[_tensor_in_memory(mf, n) for n in sorted(inits)])
+    model = helper.make_model(graph, opset_imports=list(mf.proto.opset_import), ir_version=mf.proto.ir_version)
+    model.functions.extend(mf.proto.functions)
+    return integer, model
 
 
 def _stored_tables(mf: ModelFile, rn: RotaryNode, rotary_dim: int | None) -> dict[str, str]:

@@ -102,7 +102,8 @@ def _axis_size(code: str, sizes: Sizes) -> int:
 def fit_sizes(specs: list[TensorSpec], sizes: Sizes) -> Sizes:
     """The case's sizes with every static batch / length of the file imposed."""
     fixed = {}
-    for spec in specs:
+    # token ids and positions first: their axes are surely batch and sequence (X's axis 1 may be heads)
+    for spec in sorted(specs, key=lambda s: input_role(s) not in ("input_ids", "position_ids")):
         for axis, code in _role_axes(input_role(spec), len(spec.dims or ())).items():
             d = spec.dims[axis]
             if isinstance(d, int) and code in "BSP":
@@ -208,8 +209,13 @@ def stress_cases(mf: ModelFile, plan: InputPlan, memory_limit: int) -> tuple[lis
         specs_.append(("mrope-3d-positions", Sizes(b, s, 0), 0, 1.0, True))
     rng = np.random.default_rng(plan.seed)
     cases = []
-    for name, sizes, first, scale, varied in specs_:
-        sizes = fit_sizes(specs, sizes)
+    for name, wanted, first, scale, varied in specs_:
+        sizes = fit_sizes(specs, wanted)
+        if name == "long-sequence" and sizes.seq < wanted.seq and sizes.seq <= s:
+            notes.append(f"case long-sequence left out: the file fixes the sequence at {sizes.seq} tokens")
+            continue
+        if name == "prefill-end-of-positions":  # still ending at the last position with a static length
+            first = max(0, limit - sizes.seq)
         require_memory(f"case {name} (batch {sizes.batch}, {sizes.seq} new tokens, past {sizes.past}) with the "
                        "model's activations", working_set_bytes(specs, sizes), memory_limit)
         feeds, positions = make_feeds(specs, sizes, first, plan, rng, scale, varied)

@@ -1,0 +1,168 @@
+"""check never fails a correct file (and still fails a broken one): the files users reported.
+
+Each file is built here, the way the user built it: a rotate-half block written from scratch (its
+positions input called ``pos``), exported with ``export_module`` or plainly then fused; a file with
+static shapes written with onnx.helper. Each correct file PASSes; a planted wrong cache row or a
+swapped weight in the same file FAILs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from check_files import change_cache_rows, copy
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+from rope_export.check import check
+from rope_export.contract import DOMAIN, OP_TYPE
+from rope_export.rope_types import RopeConfig, build_caches
+
+RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu")
+MAX_POS, H, D = 512, 2, 16
+
+
+class RotateHalfBlock(nn.Module):
+    """A user's own attention block: rotate-half, [MAX_POS, D] cos/sin buffers indexed by ``pos``."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(H * D, H * D) for _ in range(4))
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=generator) * 0.2
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+        freqs = torch.arange(MAX_POS).float()[:, None] * inv_freq
+        self.register_buffer("cos_cached", torch.cat((freqs, freqs), -1).cos(), persistent=False)
+        self.register_buffer("sin_cached", torch.cat((freqs, freqs), -1).sin(), persistent=False)
+
+    def forward(self, x, pos):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, H, D).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        cos, sin = self.cos_cached[pos][:, None], self.sin_cached[pos][:, None]
+
+        def rotate_half(t):
+            return torch.cat((-t[..., D // 2:], t[..., : D // 2]), dim=-1)
+
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), dim=-1)
+        return self.wo((weights @ v).transpose(1, 2).reshape(b, s, H * D))
+
+
+def _example():
+    x = torch.randn(2, 5, H * D, generator=torch.Generator().manual_seed(1))
+    return x, torch.arange(5).expand(2, 5).contiguous()
+
+
+@functools.cache
+def rotate_half_export() -> onnx.ModelProto:
+    from rope_export import export_module
+
+    return export_module(RotateHalfBlock().eval(), _example(), input_names=["x", "pos"]).model
+
+
+@functools.cache
+def rotate_half_plain_and_fused() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    from rope_blocks import export_plain
+
+    from rope_export.passes import fuse
+
+    plain = export_plain(RotateHalfBlock().eval(), _example())
+    return plain, fuse(plain)
+
+
+def _stored_cos_rows(model) -> int:
+    node = next(n for n in model.graph.node if n.domain == DOMAIN)
+    return next(list(i.dims) for i in model.graph.initializer if i.name == node.input[1])[0]
+
+
+def swap_weights(model: onnx.ModelProto, min_size: int = 16) -> onnx.ModelProto:
+    """The first two square weight matrices exchanged (q and k projections, say)."""
+    model = copy(model)
+    first, second = [i for i in model.graph.initializer if len(i.dims) == 2 and i.dims[0] == i.dims[1] >= min_size][:2]
+    a, b = numpy_helper.to_array(first).copy(), numpy_helper.to_array(second).copy()
+    first.CopyFrom(numpy_helper.from_array(b, first.name))
+    second.CopyFrom(numpy_helper.from_array(a, second.name))
+    return model
+
+
+# -- a rotate-half block written from scratch --------------------------------------------------------
+
+def test_rotate_half_block_from_export_module_passes_every_row():
+    """The node's positions come from an input called ``pos``: found by data flow, not by name."""
+    report = check(rotate_half_export(), RUNNERS)
+    assert report.passed, report.failure_message()
+    swept = [r.sweep for r in report.runners if r.status == "pass"]
+    assert swept and all(s.status == "pass" and s.positions == MAX_POS for s in swept)
+
+
+def test_rotate_half_block_plain_then_fused_passes_against_the_plain_file(tmp_path):
+    plain, fused = rotate_half_plain_and_fused()
+    onnx.save_model(plain, tmp_path / "plain.onnx")
+    report = check(fused, RUNNERS, reference=tmp_path / "plain.onnx")
+    assert report.passed, report.failure_message()
+    assert all(r.sweep.status == "pass" and r.sweep.positions == MAX_POS for r in report.runners)
+
+
+@pytest.mark.parametrize("row", [1, 300])
+def test_rotate_half_block_with_a_wrong_cache_row_fails(row):
+    model = rotate_half_export()
+    assert _stored_cos_rows(model) == MAX_POS
+    report = check(change_cache_rows(model, row, "sin", how=lambda v: v * 1.01 + 1e-3), RUNNERS)
+    assert not report.passed
+    (bad,) = [t for t in report.tables if not t.passed]
+    assert bad.bad_rows == [(row, row)]
+
+
+def test_rotate_half_block_fused_with_swapped_weights_fails_against_the_plain_file(tmp_path):
+    plain, fused = rotate_half_plain_and_fused()
+    onnx.save_model(plain, tmp_path / "plain.onnx")
+    report = check(swap_weights(fused), ("onnxruntime-cpu",), reference=tmp_path / "plain.onnx")
+    assert not report.passed and report.runners[0].status == "FAIL"
+
+
+# -- static shapes ------------------------------------------------------------------------------------
+
+def static_one_node_file(rows: int = 64) -> onnx.ModelProto:
+    """X [1, 1, 3, 4], position_ids [1, 3], caches [rows, 2]: every dim fixed, as some tools write them."""
+    cos, sin = build_caches(RopeConfig(head_dim=4, rope_theta=500.0, max_position_embeddings=rows))
+    node = helper.make_node(OP_TYPE, ["x", "cos", "sin", "position_ids"], ["y"], domain=DOMAIN)
+    graph = helper.make_graph(
+        [node], "static", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 3, 4]),
+                           helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 3, 4])],
+        initializer=[numpy_helper.from_array(cos.numpy(), "cos"), numpy_helper.from_array(sin.numpy(), "sin")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
+
+
+def test_static_shapes_pass_with_the_files_own_dims():
+    report = check(static_one_node_file(), RUNNERS)
+    assert report.passed, report.failure_message()
+    assert "case long-sequence left out: the file fixes the sequence at 3 tokens" in report.notes
+    assert any("3 tokens at a time" in n for n in report.notes)
+    for r in report.runners:
+        assert r.sweep.status in ("pass", "golden") and r.sweep.positions == 64
+
+
+@pytest.mark.parametrize("row", [0, 62, 63])
+def test_static_shapes_with_a_wrong_cache_row_fail(row):
+    report = check(change_cache_rows(static_one_node_file(), row, "cos", how=lambda v: v + 1e-2), RUNNERS)
+    assert not report.passed
+    (bad,) = [t for t in report.tables if not t.passed]
+    assert bad.bad_rows == [(row, row)] and bad.against == "a fitted rotation table"
+
+
+def test_static_position_ids_are_fed_as_the_file_declares():
+    """Every case's feeds have the file's static shapes."""
+    from rope_export.check.inputs import InputPlan, stress_cases
+    from rope_export.check.model_file import ModelFile
+
+    cases, _ = stress_cases(ModelFile.open(static_one_node_file()), InputPlan(position_limit=64), 1 << 30)
+    for case in cases:
+        assert case.feeds["x"].shape == (1, 1, 3, 4) and case.feeds["position_ids"].shape == (1, 3)
+        assert np.array_equal(case.feeds["position_ids"][0], case.positions[0])  # three distinct positions
