@@ -83,28 +83,46 @@ def fitted_rotation(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def check_tables(mf: ModelFile, rope: RopeConfig | None, slices: list[RotarySlice],
-                 position_limit: int | None) -> list[TableCheck]:
-    pairs = {(s.tables["cos"], s.tables["sin"]) for s in slices if s.tables}
-    results = []
-    static = rope is not None and not rope.seq_len_dependent
-    if static:
-        names = {n: role for pair in pairs for role, n in zip(("cos", "sin"), pair, strict=True)}
-        if not names and position_limit:  # lowered to plain ops: the tables are what a Gather reads
-            names = dict.fromkeys(tables_by_shape(mf, position_limit, rope.rotary_embedding_dim // 2))
-        for name, role in names.items():
-            results.append(_against_configuration(mf, rope, name, role))
-        return results
-    for cos_name, sin_name in sorted(pairs):
-        cos, sin = mf.tensor(cos_name).astype(np.float64), mf.tensor(sin_name).astype(np.float64)
+                 position_limit: int | None, ropes: list[RopeConfig | None] | None = None) -> list[TableCheck]:
+    """``rope``: the file's configuration; ``ropes``: each slice's where layers differ (None: ``rope`` for all)."""
+    ropes = [rope] * len(slices) if ropes is None else ropes
+    pairs = {(s.tables["cos"], s.tables["sin"]): r for s, r in zip(slices, ropes, strict=True) if s.tables}
+    results, fitted = [], []
+    for (cos_name, sin_name), r in sorted(pairs.items(), key=lambda item: item[0]):
+        if r is not None and not r.seq_len_dependent:
+            results += [_against_configuration(mf, r, n, role) for role, n in (("cos", cos_name), ("sin", sin_name))]
+        else:
+            fitted.append((cos_name, sin_name))
+    if not pairs and rope is not None and not rope.seq_len_dependent and position_limit:
+        # lowered to plain ops: the tables are what a Gather reads
+        for name in tables_by_shape(mf, position_limit, rope.rotary_embedding_dim // 2):
+            results.append(_against_configuration(mf, rope, name, None))
+    for name in sorted({s.table for s in slices if not s.tables and s.table and _complex_table(mf, s.table)}):
+        fitted.append((name, name))  # Meta's freqs_cis as [rows, rd/2, 2]: (cos, sin) per pair
+    for cos_name, sin_name in fitted:
+        if cos_name == sin_name:
+            table = mf.tensor(cos_name).astype(np.float64)
+            table = table.reshape(-1, table.shape[-2], 2)
+            cos, sin = table[..., 0], table[..., 1]
+        else:
+            cos, sin = mf.tensor(cos_name).astype(np.float64), mf.tensor(sin_name).astype(np.float64)
         want_cos, want_sin, theta = fitted_rotation(cos, sin)
         tol = tolerance("op", _dtype_name(mf.tensor(cos_name)))
         slack = np.arange(len(cos))[:, None] * theta * FLOAT32_ANGLE_SLACK  # tables made in float32 elsewhere
         # one check for the pair: a changed cos or sin row is a row that is no rotation of its neighbours
         worst, bad = _bad_rows(np.concatenate([cos, sin], axis=1), np.concatenate([want_cos, want_sin], axis=1), tol,
                                np.concatenate([slack, slack], axis=1))
-        results.append(TableCheck(f"{cos_name}, {sin_name}", "cos/sin", len(cos), "a fitted rotation table", worst,
-                                  bad, not bad))
+        results.append(TableCheck(cos_name if cos_name == sin_name else f"{cos_name}, {sin_name}", "cos/sin",
+                                  len(cos), "a fitted rotation table", worst, bad, not bad))
     return results
+
+
+def _complex_table(mf: ModelFile, name: str) -> bool:
+    """A [rows, w, 2] float table (a complex freqs_cis seen as real): each row (cos, sin) per channel pair."""
+    dims = [d for d in mf.initializer(name).dims]
+    while len(dims) > 3 and dims[0] == 1:
+        dims = dims[1:]
+    return len(dims) == 3 and dims[2] == 2 and dims[0] > 1
 
 
 def _against_configuration(mf: ModelFile, rope: RopeConfig, name: str, role: str | None) -> TableCheck:
@@ -162,6 +180,7 @@ class _Golden:
     runner: object = None
     slack_per_position: float = 0.0  # times max|x|: caches computed in the graph in float32
     slack: float = 0.0  # times max|x|: caches rounded to a half type
+    from_table: bool = False  # the limit is the rows of the table per-token caches are cut from
 
 
 def _per_token(value: np.ndarray, rank: int) -> np.ndarray:
@@ -272,6 +291,9 @@ def _golden_for(sl: RotarySlice, mf: ModelFile, rope: RopeConfig | None, positio
     """(golden, the positions' upper end) or (None, why not)."""
     stored = sl.tables
     limit = int(mf.initializer(stored["cos"]).dims[0]) if stored else position_limit
+    from_table = limit is None and not sl.chosen.position_ids and sl.table_rows is not None
+    if from_table:  # per-token caches cut from a table (Meta's freqs_cis): no position past its last row
+        limit = sl.table_rows
     if limit is None and rope is not None:
         return None, "the file records no position range and the node reads no stored cache"
     cache_type = mf.value_type(sl.chosen.cos)
@@ -290,24 +312,28 @@ def _golden_for(sl: RotarySlice, mf: ModelFile, rope: RopeConfig | None, positio
         runner, _ = make_runner("onnx-reference", ModelFile.open(sl.model), limits=Limits(max_in_memory=max_in_memory))
     except Skip as why:
         return None, f"no RoPE configuration or stored cache to compare with, and no golden ({why})"
-    return _Golden("runner", runner=runner, limit=limit), limit or PEER_SWEEP
+    return _Golden("runner", runner=runner, limit=limit, from_table=from_table), limit or PEER_SWEEP
 
 
-def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, rope: RopeConfig | None,
+def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, ropes: list[RopeConfig | None],
           position_limit: int | None, out_of_range_allowed: bool, plugin_library=None, max_in_memory: int,
           say=lambda message: None, seed: int = 7) -> tuple[dict[str, SweepResult], list[str]]:
+    """``ropes``: each slice's RoPE configuration (``layer_rope.slice_ropes``), None where the file has none."""
     results = {name: SweepResult(name) for name in runner_names}
     notes = []
     rng = np.random.default_rng(seed)
-    for sl in slices:
+    for sl, rope in zip(slices, ropes, strict=True):
         golden, limit = _golden_for(sl, mf, rope, position_limit, runner_names, max_in_memory)
         if golden is None:
             notes.append(f"{sl.label}: not swept: {limit}")
             continue
         if golden.kind == "runner":
+            why = (f"no RoPE configuration in the file; its caches are cut from a table of {limit} rows"
+                   if golden.from_table else
+                   f"no RoPE configuration{'' if golden.limit else ' or position range'} in the file")
             notes.append(f"{sl.label}: run alone over positions 0..{limit - 1} and compared with onnx-reference "
-                         f"(no RoPE configuration{'' if golden.limit else ' or position range'} in the file)")
-        passes = out_of_range_allowed and golden.limit is not None and (
+                         f"({why})")
+        passes = out_of_range_allowed and golden.limit is not None and not golden.from_table and (
             sl.chosen.kind in CONTRACT_KINDS or not sl.chosen.position_ids)
         width = int(np.prod([d for d in sl.x.dims if isinstance(d, int)]))
         fixed = _fixed_seq(sl)

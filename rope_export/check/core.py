@@ -16,6 +16,7 @@ from rope_export.check import cache_rows
 from rope_export.check.compare import compare_output, token_errors
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
+from rope_export.check.layer_rope import slice_ropes
 from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
 from rope_export.check.model_file import CheckError, ModelFile, free_memory, memory_limit_bytes
 from rope_export.check.pieces import StreamedRunner
@@ -100,10 +101,15 @@ def check(
     slices, slice_notes = rotary_slices(mf)
     notes += slice_notes
     stored_rows = [int(mf.initializer(s.tables["cos"]).dims[0]) for s in slices if s.tables]
+    # per-token caches cut from a table (Meta's freqs_cis): the positions it has rows for
+    stored_rows += [s.table_rows for s in slices if not s.tables and not s.chosen.position_ids and s.table_rows]
     if position_limit is None and stored_rows:
         position_limit = min(stored_rows)
     say("comparing every row of the stored cos/sin caches")
-    tables = cache_rows.check_tables(mf, rope, slices, position_limit)
+    ropes, rope_notes = slice_ropes(mf, slices, rope, hf_info.rope_by_layer_type if hf_info else {},
+                                    hf_info.layer_types if hf_info else [])
+    notes += rope_notes
+    tables = cache_rows.check_tables(mf, rope, slices, position_limit, ropes)
 
     past_end = not _raw_positions(mf) and (
         (preset is not None and not preset.rope.seq_len_dependent)
@@ -176,7 +182,7 @@ def check(
 
     if sweep and slices:
         results, sweep_notes = cache_rows.sweep(
-            mf, slices, runners, rope=rope, position_limit=position_limit, out_of_range_allowed=past_end,
+            mf, slices, runners, ropes=ropes, position_limit=position_limit, out_of_range_allowed=past_end,
             plugin_library=plugin_library, max_in_memory=max_in_memory, say=say)
         notes += sweep_notes
         for r in reports:

@@ -115,6 +115,9 @@ class RotarySlice:
     position_inputs: list[TensorSpec] = field(default_factory=list)
     # the nodes computing the node's position_ids from those inputs (None: it reads a graph input as it is)
     positions_model: onnx.ModelProto | None = None
+    # the stored table the caches are cut from (Meta's freqs_cis as [rows, rd/2, 2]) and its rows
+    table: str | None = None
+    table_rows: int | None = None
 
     @property
     def label(self) -> str:
@@ -237,7 +240,23 @@ def _build_slice(mf, members, rn, x, nodes, inits, inputs, rotary_dim) -> Rotary
     model.functions.extend(mf.proto.functions)
     tables = _stored_tables(mf, rn, rotary_dim)
     positions, positions_model = _positions_of(mf, rn, graph_inputs)
-    return RotarySlice(members, rn, model, x_spec, graph_inputs, rotary_dim, tables, positions, positions_model)
+    return RotarySlice(members, rn, model, x_spec, graph_inputs, rotary_dim, tables, positions, positions_model,
+                       *_table(mf, inits))
+
+
+def _table(mf: ModelFile, inits: set[str]) -> tuple[str | None, int | None]:
+    """(the table among the caches' initializers, the positions it holds: its first dim past leading 1s), the
+    one of fewest rows where several; (None, None) when the caches come from no table (from inv_freq)."""
+    found = []
+    for name in sorted(inits):
+        tensor = mf.initializer(name)
+        dims = list(tensor.dims)
+        while len(dims) > 2 and dims[0] == 1:
+            dims = dims[1:]
+        if tensor.data_type in FLOAT_ELEM_TYPES and len(dims) >= 2 and dims[0] > 1:
+            found.append((int(dims[0]), name))
+    rows, name = min(found) if found else (None, None)
+    return name, rows
 
 
 def _positions_of(mf: ModelFile, rn: RotaryNode, graph_inputs: list[TensorSpec]):

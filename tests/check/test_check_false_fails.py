@@ -9,61 +9,24 @@ swapped weight in the same file FAILs.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import onnx
 import pytest
-import torch
-from check_files import change_cache_rows, copy
-from onnx import TensorProto, helper, numpy_helper
-from torch import nn
+from check_files import change_cache_rows
+from user_blocks import MAX_POS, RotateHalfBlock, example, static_one_node_file, swap_weights
 
 from rope_export.check import check
-from rope_export.contract import DOMAIN, OP_TYPE
-from rope_export.rope_types import RopeConfig, build_caches
+from rope_export.contract import DOMAIN
 
 RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu")
-MAX_POS, H, D = 512, 2, 16
-
-
-class RotateHalfBlock(nn.Module):
-    """A user's own attention block: rotate-half, [MAX_POS, D] cos/sin buffers indexed by ``pos``."""
-
-    def __init__(self):
-        super().__init__()
-        generator = torch.Generator().manual_seed(0)
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(H * D, H * D) for _ in range(4))
-        for p in self.parameters():
-            p.data = torch.randn(p.shape, generator=generator) * 0.2
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-        freqs = torch.arange(MAX_POS).float()[:, None] * inv_freq
-        self.register_buffer("cos_cached", torch.cat((freqs, freqs), -1).cos(), persistent=False)
-        self.register_buffer("sin_cached", torch.cat((freqs, freqs), -1).sin(), persistent=False)
-
-    def forward(self, x, pos):
-        b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, H, D).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        cos, sin = self.cos_cached[pos][:, None], self.sin_cached[pos][:, None]
-
-        def rotate_half(t):
-            return torch.cat((-t[..., D // 2:], t[..., : D // 2]), dim=-1)
-
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), dim=-1)
-        return self.wo((weights @ v).transpose(1, 2).reshape(b, s, H * D))
-
-
-def _example():
-    x = torch.randn(2, 5, H * D, generator=torch.Generator().manual_seed(1))
-    return x, torch.arange(5).expand(2, 5).contiguous()
 
 
 @functools.cache
 def rotate_half_export() -> onnx.ModelProto:
     from rope_export import export_module
 
-    return export_module(RotateHalfBlock().eval(), _example(), input_names=["x", "pos"]).model
+    return export_module(RotateHalfBlock().eval(), example(), input_names=["x", "pos"]).model
 
 
 @functools.cache
@@ -72,23 +35,13 @@ def rotate_half_plain_and_fused() -> tuple[onnx.ModelProto, onnx.ModelProto]:
 
     from rope_export.passes import fuse
 
-    plain = export_plain(RotateHalfBlock().eval(), _example())
+    plain = export_plain(RotateHalfBlock().eval(), example())
     return plain, fuse(plain)
 
 
 def _stored_cos_rows(model) -> int:
     node = next(n for n in model.graph.node if n.domain == DOMAIN)
     return next(list(i.dims) for i in model.graph.initializer if i.name == node.input[1])[0]
-
-
-def swap_weights(model: onnx.ModelProto, min_size: int = 16) -> onnx.ModelProto:
-    """The first two square weight matrices exchanged (q and k projections, say)."""
-    model = copy(model)
-    first, second = [i for i in model.graph.initializer if len(i.dims) == 2 and i.dims[0] == i.dims[1] >= min_size][:2]
-    a, b = numpy_helper.to_array(first).copy(), numpy_helper.to_array(second).copy()
-    first.CopyFrom(numpy_helper.from_array(b, first.name))
-    second.CopyFrom(numpy_helper.from_array(a, second.name))
-    return model
 
 
 # -- a rotate-half block written from scratch --------------------------------------------------------
@@ -127,18 +80,6 @@ def test_rotate_half_block_fused_with_swapped_weights_fails_against_the_plain_fi
 
 
 # -- static shapes ------------------------------------------------------------------------------------
-
-def static_one_node_file(rows: int = 64) -> onnx.ModelProto:
-    """X [1, 1, 3, 4], position_ids [1, 3], caches [rows, 2]: every dim fixed, as some tools write them."""
-    cos, sin = build_caches(RopeConfig(head_dim=4, rope_theta=500.0, max_position_embeddings=rows))
-    node = helper.make_node(OP_TYPE, ["x", "cos", "sin", "position_ids"], ["y"], domain=DOMAIN)
-    graph = helper.make_graph(
-        [node], "static", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 3, 4]),
-                           helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 3, 4])],
-        initializer=[numpy_helper.from_array(cos.numpy(), "cos"), numpy_helper.from_array(sin.numpy(), "sin")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
-
 
 def test_static_shapes_pass_with_the_files_own_dims():
     report = check(static_one_node_file(), RUNNERS)
