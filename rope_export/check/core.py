@@ -19,6 +19,7 @@ from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input
 from rope_export.check.layer_rope import slice_ropes
 from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
 from rope_export.check.model_file import CheckError, ModelFile, free_memory, memory_limit_bytes
+from rope_export.check.module_reference import ModuleReference, RecordedReference, read_example
 from rope_export.check.pieces import StreamedRunner
 from rope_export.check.references import _file_dtype, choose_reference
 from rope_export.check.report import CheckReport, RunnerReport
@@ -58,13 +59,19 @@ def check(
     long_seq: int | None = None,
     sweep: bool = True,
     reference_block=None,
+    module=None,
+    args=None,
+    kwargs: dict | None = None,
     plugin_library: str | None = None,
     memory_limit_gb: float | None = None,
     max_in_memory_gb: float | None = None,
     piece_limit_gb: float | None = None,
     progress=None,
 ) -> CheckReport:
-    """Run every runner on the file and compare with its reference (see ``rope_export.check``)."""
+    """Run every runner on the file and compare with its reference (see ``rope_export.check``).
+
+    ``module`` (with ``args``/``kwargs``, the example it was exported with): the PyTorch module a file of
+    ``export_module`` came from, run on every case as the reference (``check.module_reference``)."""
     say = progress or (lambda message: None)
     runners = tuple(runners)
     check_runner_names(runners)
@@ -85,9 +92,19 @@ def check(
         if reference is None and hf_config is None:
             raise
         metadata_notes.append(f"the file's metadata is not used: {exc}")
-    ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
-                                  hf_config=hf_config, weights=None if weights is None else str(weights), seed=seed,
-                                  reference_block=reference_block, limits=limits)
+    example = read_example(mf) if not inputs else None
+    if module is not None:
+        if reference is not None or hf_config is not None:
+            raise CheckError("give module= or --reference/--hf, not both")
+        ref, notes = ModuleReference(mf, module, args, kwargs), []
+        ref.weight_bytes = mf.weight_bytes
+    elif example is not None and source is None and reference is None and hf_config is None:
+        ref, notes = RecordedReference(mf, example, limits), []
+        ref.weight_bytes = mf.weight_bytes
+    else:
+        ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
+                                      hf_config=hf_config, weights=None if weights is None else str(weights),
+                                      seed=seed, reference_block=reference_block, limits=limits)
     notes = metadata_notes + notes
     dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
     layers = _layers(mf)
@@ -114,10 +131,14 @@ def check(
     past_end = not _raw_positions(mf) and (
         (preset is not None and not preset.rope.seq_len_dependent)
         or (source is None and bool(stored_rows) and all(s.tables for s in slices)))
+    if past_end and isinstance(ref, ModuleReference):
+        past_end = False  # the file passes such tokens through; a PyTorch module indexes its tables with them
+        notes.append("no case past the end of the positions: the module given as the reference cannot run them")
     vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
+    positions_in = tuple(dict.fromkeys(s.name for sl in slices for s in sl.position_inputs if len(s.dims or ()) == 2))
     plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()
                         if v is not None}, position_limit=position_limit, past_end_allowed=past_end,
-                     vocab=vocab if isinstance(vocab, int) else None)
+                     vocab=vocab if isinstance(vocab, int) else None, position_inputs=positions_in)
     for name in ("batch", "seq", "long_seq"):
         if getattr(plan, name) < 1:
             raise CheckError(f"--{name.replace('_', '-')} must be at least 1")
@@ -129,6 +150,9 @@ def check(
         cases, case_notes = stress_cases(mf, plan, limit)
         notes += case_notes
         described = describe_plan(plan)
+    if example is not None:  # the example export_module ran the module on: its eager outputs are in the file
+        cases.append(example.case())
+        described += f"; and the example recorded at export (case {example.case().name})"
     if source == "transformers" and plan.vocab is None and not inputs:
         notes.append("the vocabulary size was not found; token ids are drawn below 2")
 
@@ -208,6 +232,8 @@ def _layers(mf: ModelFile) -> int:
 
 
 def _short(ref) -> str:
+    if getattr(ref, "short", None):
+        return ref.short
     label = ref.label
     if label.startswith("PyTorch"):
         return "PyTorch"

@@ -50,6 +50,7 @@ class InputPlan:
     past_end_allowed: bool = False  # positions >= limit are legal (pass-through, or computed in the graph)
     vocab: int | None = None
     seed: int = 1
+    position_inputs: tuple[str, ...] = ()  # inputs the rotary nodes' positions flow from, whatever their names
 
 
 def input_role(spec: TensorSpec) -> str:
@@ -143,7 +144,8 @@ def make_feeds(specs: list[TensorSpec], sizes: Sizes, first: int, plan: InputPla
     positions = first + np.broadcast_to(np.arange(sizes.seq), (sizes.batch, sizes.seq))
     feeds = {}
     for spec in specs:
-        shape, role = shape_of(spec, sizes, symbols), input_role(spec)
+        shape = shape_of(spec, sizes, symbols)
+        role = "position_ids" if spec.name in plan.position_inputs else input_role(spec)
         if role == "input_ids":
             value = rng.integers(0, plan.vocab or 2, shape)
         elif role == "position_ids":

@@ -137,3 +137,10 @@ def swap_weights(model: onnx.ModelProto, min_size: int = 16) -> onnx.ModelProto:
     first.CopyFrom(numpy_helper.from_array(b, first.name))
     second.CopyFrom(numpy_helper.from_array(a, second.name))
     return out
+
+
+class ImplicitPositionsBlock(RotateHalfBlock):
+    """The same block with no positions input: it rotates token i by position i (arange over the sequence)."""
+
+    def forward(self, x):
+        return super().forward(x, torch.arange(x.shape[1]).expand(x.shape[0], -1))
