@@ -21,7 +21,7 @@ from rope_export.check.metadata import file_source, read_hf_info, read_preset_in
 from rope_export.check.model_file import CheckError, ModelFile, free_memory, memory_limit_bytes
 from rope_export.check.module_reference import ModuleReference, RecordedReference, read_example
 from rope_export.check.pieces import StreamedRunner
-from rope_export.check.references import _file_dtype, choose_reference
+from rope_export.check.references import OnnxFileReference, _file_dtype, choose_reference
 from rope_export.check.report import CheckReport, RunnerReport
 from rope_export.check.runners import (
     MAX_IN_MEMORY,
@@ -131,9 +131,10 @@ def check(
     past_end = not _raw_positions(mf) and (
         (preset is not None and not preset.rope.seq_len_dependent)
         or (source is None and bool(stored_rows) and all(s.tables for s in slices)))
-    if past_end and isinstance(ref, ModuleReference):
-        past_end = False  # the file passes such tokens through; a PyTorch module indexes its tables with them
-        notes.append("no case past the end of the positions: the module given as the reference cannot run them")
+    if past_end and isinstance(ref, (ModuleReference, OnnxFileReference)):
+        past_end = False  # the file passes such tokens through; a module or plain export indexes its tables with them
+        notes.append(f"no case past the end of the positions: the reference ({ref.label}) has no pass-through for "
+                     "them")
     vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
     positions_in = tuple(dict.fromkeys(s.name for sl in slices for s in sl.position_inputs if len(s.dims or ()) == 2))
     plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()

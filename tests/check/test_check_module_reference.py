@@ -71,3 +71,19 @@ def test_a_damaged_recording_is_one_line_naming_the_key():
     prop.value = base64.b64encode(b"not an npz").decode()
     with pytest.raises(CheckError, match="metadata rope_export.module_example is not the example"):
         check(model, ("onnxruntime-cpu",))
+
+
+def test_cli_check_module_reruns_the_export_factory(tmp_path, capsys):
+    import user_blocks
+
+    from rope_export import cli
+
+    path = tmp_path / "block.onnx"
+    assert cli.main(["export", "--module", f"{user_blocks.__file__}:rotate_half_factory", "-o", str(path)]) == 0
+    base = ["check", str(path), "--runners", "onnxruntime-cpu", "--module"]
+    assert cli.main([*base, f"{user_blocks.__file__}:rotate_half_factory"]) == 0
+    assert "against PyTorch" in " ".join(capsys.readouterr().out.split())
+    assert cli.main([*base, f"{user_blocks.__file__}:rotate_half_other_weights_factory"]) == 1
+    assert "runner onnxruntime-cpu disagrees with PyTorch on prefill" in capsys.readouterr().err
+    assert cli.main([*base, f"{user_blocks.__file__}:no_such_factory"]) == 2
+    assert "has no callable 'no_such_factory'" in capsys.readouterr().err

@@ -144,3 +144,15 @@ class ImplicitPositionsBlock(RotateHalfBlock):
 
     def forward(self, x):
         return super().forward(x, torch.arange(x.shape[1]).expand(x.shape[0], -1))
+
+
+def rotate_half_factory():
+    """For ``rope-export export --module`` and ``rope-export check --module``."""
+    return {"module": RotateHalfBlock().eval(), "args": example(), "input_names": ["x", "pos"]}
+
+
+def rotate_half_other_weights_factory():
+    """The same block with one query weight changed: not the module the file came from."""
+    block = RotateHalfBlock().eval()
+    block.wq.weight.data[0, 0] += 0.1
+    return {"module": block, "args": example(), "input_names": ["x", "pos"]}
