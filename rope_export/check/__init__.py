@@ -6,6 +6,9 @@ The package follows polygraphy's split between what is compared and how:
 * ``metadata``: the ``rope_export.*`` metadata, validated field by field;
 * ``references``: what the runners are compared with (the preset's PyTorch block, the transformers
   model, another ONNX file, or onnx-reference as the golden), chosen from the file or named;
+* ``module_reference``: PyTorch for an ``export_module`` file (the eager outputs it records, or the
+  module given to ``check``);
+* ``layer_rope``: each rotary node's own RoPE configuration where layer types differ (Gemma 3);
 * ``inputs``: feeds generated from the graph (decoder-aware, RoPE stress cases) or the user's own;
 * ``runners``: onnx-reference, the CPU twin, onnxruntime CPU/CUDA, TensorRT, each skipped with a reason;
 * ``graph`` and ``cache_rows``: every stored cache row compared with the RoPE configuration, and each

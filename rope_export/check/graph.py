@@ -263,12 +263,10 @@ def _positions_of(mf: ModelFile, rn: RotaryNode, graph_inputs: list[TensorSpec])
     """(the integer graph inputs the node's positions come from, a model computing its position_ids from the
     slice's inputs when they are not one of those as it is). Without position_ids the positions are what
     the per-token caches are computed from."""
-    walk = _Walk(mf, cut=rn.x)
-    nodes, _, reached = walk.ancestors([rn.position_ids] if rn.position_ids else [rn.cos, rn.sin])
+    nodes, inits, reached = _Walk(mf, cut=rn.x).ancestors([rn.position_ids] if rn.position_ids else [rn.cos, rn.sin])
     integer = [s for s in graph_inputs if s.name in reached and not s.is_float and s.dtype.kind in "iu"]
     if not rn.position_ids or rn.position_ids in {s.name for s in graph_inputs}:
         return integer, None
-    _, inits, _ = walk.ancestors([rn.position_ids])
     graph = helper.make_graph(
         nodes, "positions", [_value_info(s) for s in graph_inputs],
         [helper.make_tensor_value_info(rn.position_ids, onnx.TensorProto.INT64, None)],

@@ -87,3 +87,14 @@ def test_cli_check_module_reruns_the_export_factory(tmp_path, capsys):
     assert "runner onnxruntime-cpu disagrees with PyTorch on prefill" in capsys.readouterr().err
     assert cli.main([*base, f"{user_blocks.__file__}:no_such_factory"]) == 2
     assert "has no callable 'no_such_factory'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["onnx", "ort", "decomposed"])
+def test_every_lowering_keeps_the_recorded_example_and_its_verdict(target):
+    from rope_export.passes import lower
+
+    report = check(lower(exported(), target), ("onnxruntime-cpu",))
+    assert report.passed, report.failure_message()
+    assert RECORDED_CASE in report.runners[0].cases
+    broken = check(lower(swap_weights(exported()), target), ("onnxruntime-cpu",))
+    assert not broken.passed and broken.runners[0].status == "FAIL"
