@@ -88,8 +88,11 @@ class ModuleReference(Reference):
         if not isinstance(module, torch.nn.Module):
             raise CheckError(f"module= must be a torch.nn.Module, not {type(module).__name__}")
         self.module = module.eval()
-        self.structure = (tuple(args) if isinstance(args, (tuple, list)) else (args,), dict(kwargs or {})) \
-            if args is not None or kwargs else None
+        if args is None and not kwargs:
+            self.structure = None
+        else:
+            args = () if args is None else tuple(args) if isinstance(args, (tuple, list)) else (args,)
+            self.structure = (args, dict(kwargs or {}))
         self.input_names = [s.name for s in mf.inputs]
         self.output_names = [s.name for s in mf.outputs]
         self.label = f"PyTorch ({type(module).__name__}, given to check)"
