@@ -32,6 +32,7 @@ CHUNK_ELEMENTS = 1 << 22  # X elements per run of a node alone (16 MB in float32
 FLOAT32_ANGLE_SLACK = 2.0**-22  # caches computed in the graph in float32: angle error ~p*theta*2^-24 per rounding
 HALF_CACHE_SLACK = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # cos/sin rounded to X's half type
 PEER_SWEEP = 4096  # positions the runners are compared over when the file records no range
+OUT_OF_RANGE = (-1, -7)  # swept where the file passes them through, with limit, limit + 1 and 2 * limit + 5
 
 
 @dataclass
@@ -219,9 +220,6 @@ def _rotate(golden: _Golden, sl: RotarySlice, x: np.ndarray, positions: np.ndarr
     y = rotary_embedding(xt, cos, sin, pos, interleaved=interleaved, num_heads=rn.num_heads if rank == 3 else 0,
                          rotary_embedding_dim=0 if rotary_dim == head_dim else rotary_dim)
     return _per_token(y.float().numpy(), rank)
-
-
-OUT_OF_RANGE = (-1, -7)  # and limit, limit + 1, 2 * limit + 5
 
 
 def _chunks(limit: int, width: int, out_of_range: bool, fixed: int | None = None) -> list[np.ndarray]:

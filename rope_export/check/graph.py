@@ -241,14 +241,18 @@ def _build_slice(mf, members, rn, x, nodes, inits, inputs, rotary_dim) -> Rotary
     tables = _stored_tables(mf, rn, rotary_dim)
     positions, positions_model = _positions_of(mf, rn, graph_inputs)
     return RotarySlice(members, rn, model, x_spec, graph_inputs, rotary_dim, tables, positions, positions_model,
-                       *_table(mf, inits))
+                       *_table(mf, nodes, inits))
 
 
-def _table(mf: ModelFile, inits: set[str]) -> tuple[str | None, int | None]:
-    """(the table among the caches' initializers, the positions it holds: its first dim past leading 1s), the
-    one of fewest rows where several; (None, None) when the caches come from no table (from inv_freq)."""
+_CUTTING_OPS = ("Gather", "GatherND", "GatherElements", "Slice")
+
+
+def _table(mf: ModelFile, nodes: list[onnx.NodeProto], inits: set[str]) -> tuple[str | None, int | None]:
+    """(the table the caches are cut from: an initializer a Gather/Slice reads rows of, the positions it holds: its
+    first dim past leading 1s), the one of fewest rows where several; (None, None) when there is none."""
+    cut = {n.input[0] for n in nodes if n.op_type in _CUTTING_OPS and n.domain in ("", "ai.onnx") and n.input}
     found = []
-    for name in sorted(inits):
+    for name in sorted(inits & cut):
         tensor = mf.initializer(name)
         dims = list(tensor.dims)
         while len(dims) > 2 and dims[0] == 1:
