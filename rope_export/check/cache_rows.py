@@ -331,7 +331,9 @@ def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, ropes: list
                    f"no RoPE configuration{'' if golden.limit else ' or position range'} in the file")
             notes.append(f"{sl.label}: run alone over positions 0..{limit - 1} and compared with onnx-reference "
                          f"({why})")
-        passes = out_of_range_allowed and golden.limit is not None and not golden.from_table and (
+        # per-token caches cut from a table have no row past its end
+        cut = not sl.chosen.position_ids and (golden.from_table or sl.table is not None)
+        passes = out_of_range_allowed and golden.limit is not None and not cut and (
             sl.chosen.kind in CONTRACT_KINDS or not sl.chosen.position_ids)
         width = int(np.prod([d for d in sl.x.dims if isinstance(d, int)]))
         fixed = _fixed_seq(sl)
@@ -339,9 +341,16 @@ def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, ropes: list
             notes.append(f"{sl.label}: not swept: the file fixes its sequence at {fixed} tokens, more than the "
                          f"{limit} positions to sweep")
             continue
-        if fixed is not None:
-            notes.append(f"{sl.label}: run alone {fixed} tokens at a time (the file's static sequence length)")
-        chunks = _chunks(limit, width, passes, fixed)
+        if not sl.chosen.position_ids and not sl.position_inputs:  # no input steers them: token i is at i
+            longest = fixed or max(1, CHUNK_ELEMENTS // max(width, 1))
+            if limit > longest:
+                notes.append(f"{sl.label}: swept over positions 0..{longest - 1} of {limit} only: its positions are "
+                             f"the tokens' indices (no input sets them), and one run takes at most {longest} tokens")
+            chunks = [np.arange(min(limit, longest))]
+        else:
+            if fixed is not None:
+                notes.append(f"{sl.label}: run alone {fixed} tokens at a time (the file's static sequence length)")
+            chunks = _chunks(limit, width, passes, fixed)
         slice_file = ModelFile.open(sl.model)
         runners = {}
         for name in runner_names:

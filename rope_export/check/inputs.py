@@ -105,6 +105,8 @@ def fit_sizes(specs: list[TensorSpec], sizes: Sizes) -> Sizes:
     fixed = {}
     # token ids and positions first: their axes are surely batch and sequence (X's axis 1 may be heads)
     for spec in sorted(specs, key=lambda s: input_role(s) not in ("input_ids", "position_ids")):
+        if input_role(spec) == "float" and len(spec.dims or ()) == 4:  # [B, H, S, D] or [B, S, H, D]: axis 1 unsure
+            continue
         for axis, code in _role_axes(input_role(spec), len(spec.dims or ())).items():
             d = spec.dims[axis]
             if isinstance(d, int) and code in "BSP":

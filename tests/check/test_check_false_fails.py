@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 import pytest
 from check_files import change_cache_rows
-from user_blocks import MAX_POS, RotateHalfBlock, example, static_one_node_file, swap_weights
+from onnx import numpy_helper
+from user_blocks import MAX_POS, RotateHalfBlock, example, sliced_table_file, static_one_node_file, swap_weights
 
 from rope_export.check import check
 from rope_export.contract import DOMAIN
@@ -107,3 +108,28 @@ def test_static_position_ids_are_fed_as_the_file_declares():
     for case in cases:
         assert case.feeds["x"].shape == (1, 1, 3, 4) and case.feeds["position_ids"].shape == (1, 3)
         assert np.array_equal(case.feeds["position_ids"][0], case.positions[0])  # three distinct positions
+
+
+# -- per-token caches sliced from a table (Meta's freqs_cis[:seqlen]) ------------------------------------
+
+def test_per_token_caches_sliced_from_a_table_are_swept_over_its_rows_only():
+    """Swept past the table, the node would get [1, 4096, D/2] X and [1, 512, D/2] caches: the contract's
+    error, reported as a FAIL of a correct file."""
+    report = check(sliced_table_file(), RUNNERS)
+    assert report.passed, report.failure_message()
+    for r in report.runners:
+        assert r.sweep.status == "golden" or (r.sweep.status == "pass" and r.sweep.positions == MAX_POS)
+    assert {t.name for t in report.tables} == {"cos_table, sin_table"} and all(t.passed for t in report.tables)
+    assert "long-sequence" in report.cases  # X's static axis 1 (2 heads) is no sequence length
+
+
+def test_per_token_caches_sliced_from_a_table_with_a_wrong_row_fail():
+    model = sliced_table_file()
+    table = next(i for i in model.graph.initializer if i.name == "sin_table")
+    values = numpy_helper.to_array(table).copy()
+    values[400] *= 1.01
+    table.CopyFrom(numpy_helper.from_array(values, table.name))
+    report = check(model, ("cpu-twin",))
+    assert not report.passed
+    (bad,) = [t for t in report.tables if not t.passed]
+    assert bad.bad_rows == [(400, 400)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -156,3 +157,27 @@ def rotate_half_other_weights_factory():
     block = RotateHalfBlock().eval()
     block.wq.weight.data[0, 0] += 0.1
     return {"module": block, "args": example(), "input_names": ["x", "pos"]}
+
+
+def sliced_table_file(rows: int = MAX_POS, heads: int = 2, head_dim: int = 16) -> onnx.ModelProto:
+    """One rotary node without position_ids whose per-token caches are ``table[:seq]`` (Meta's
+    ``freqs_cis[:seqlen]``): the first S rows of [rows, D/2] tables, S read from X's shape."""
+    cos, sin = build_caches(RopeConfig(head_dim=head_dim, rope_theta=10000.0, max_position_embeddings=rows))
+    const = [numpy_helper.from_array(np.array(v), n)
+             for n, v in (("zero", [0]), ("two", [2]), ("half", [head_dim // 2]))]
+    nodes = [helper.make_node("Shape", ["x"], ["x_shape"]),
+             helper.make_node("Gather", ["x_shape", "zero"], ["batch"], axis=0),
+             helper.make_node("Gather", ["x_shape", "two"], ["seq"], axis=0),
+             helper.make_node("Concat", ["batch", "seq", "half"], ["cache_shape"], axis=0)]
+    for role in ("cos", "sin"):  # [B, S, D/2] = expand(table[:S][None])
+        nodes += [helper.make_node("Slice", [f"{role}_table", "zero", "seq", "zero"], [f"{role}_rows"]),
+                  helper.make_node("Unsqueeze", [f"{role}_rows", "zero"], [f"{role}_one"]),
+                  helper.make_node("Expand", [f"{role}_one", "cache_shape"], [f"{role}_cache"])]
+    nodes.append(helper.make_node(OP_TYPE, ["x", "cos_cache", "sin_cache"], ["y"], domain=DOMAIN))
+    x_type = ["batch", heads, "seq", head_dim]
+    graph = helper.make_graph(
+        nodes, "sliced table", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_type)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, x_type)],
+        initializer=[*const, numpy_helper.from_array(cos.numpy(), "cos_table"),
+                     numpy_helper.from_array(sin.numpy(), "sin_table")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
