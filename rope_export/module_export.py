@@ -16,7 +16,9 @@ code, your own) the steps are:
 4. compare the count with the file's rotary nodes (``compare_with_file``): a rotation left
    decomposed raises ``DecomposedRotationError`` naming its module and layer (a warning, and the
    file is written, with ``allow_decomposed=True``);
-5. write the file atomically (weights past 2 GB go to ``NAME.onnx.data``).
+5. record the module's eager outputs for the example inputs in the file's metadata (``record_example``,
+   at most ``EXAMPLE_LIMIT`` bytes): ``rope-export check`` compares every runner with PyTorch on them;
+6. write the file atomically (weights past 2 GB go to ``NAME.onnx.data``).
 
 The result reports, per module that rotates, how many rotations it performs, how many became
 rotary nodes and why any other was left alone.
@@ -217,11 +219,56 @@ def export_module(
         except ValueError as exc:
             raise type(exc)(f"{exc}\n{_table(sites)}\nnothing was written; pass allow_decomposed=True "
                             "(--allow-decomposed) to write the file anyway") from None
+    say("recording the module's eager outputs for the example (what `check` compares with PyTorch)")
+    recorded, note = record_example(module, args, kwargs, model)
+    model.metadata_props.update(recorded)
+    if note:
+        notes.append(note)
     if output is not None:
         say(f"writing {output}")
         onnx_files.write(model, output, external=external, check=True, progress=say)
     return ModuleExportResult(model, None if output is None else Path(output), census, fusion, count, sites, notes,
                               hooked)
+
+
+EXAMPLE_LIMIT = 1 << 20  # bytes of example inputs and eager outputs kept in the file's metadata
+
+
+def record_example(module: torch.nn.Module, args: tuple, kwargs: dict, model: ir.Model) -> tuple[dict, str]:
+    """(metadata naming the module and holding its eager outputs for the example inputs, a note when not recorded).
+
+    The file's inputs are the example's tensors in order (args, then kwargs; torch.onnx drops the rest)
+    and its outputs the eager outputs' tensors in order; ``rope_export.check`` compares every runner
+    with these on the example (``check.module_reference``)."""
+    import base64
+    import io
+
+    import numpy as np
+    from torch.utils._pytree import tree_leaves
+
+    from rope_export.export import METADATA_PREFIX
+
+    meta = {METADATA_PREFIX + "source": "module",
+            METADATA_PREFIX + "module": f"{type(module).__module__}.{type(module).__qualname__}"}
+    with torch.no_grad():
+        outputs = [t for t in tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    names_in, names_out = [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs]
+    if len(inputs) != len(names_in) or len(outputs) != len(names_out):
+        return meta, (f"example not recorded: the file's {len(names_in)} inputs / {len(names_out)} outputs are not the "
+                      f"example's {len(inputs)} input / {len(outputs)} output tensors")
+    arrays = {f"input/{n}": t.detach().cpu() for n, t in zip(names_in, inputs, strict=True)}
+    arrays.update({f"output/{n}": t.detach().cpu() for n, t in zip(names_out, outputs, strict=True)})
+    size = sum(t.numel() * t.element_size() for t in arrays.values())
+    if size > EXAMPLE_LIMIT:
+        return meta, (f"example not recorded: its inputs and outputs take {size} bytes, more than the "
+                      f"{EXAMPLE_LIMIT} kept in the file; check compares with PyTorch given module=")
+    if any(t.dtype == torch.bfloat16 for t in arrays.values()):  # NumPy has no bfloat16
+        arrays = {k: t.float() if t.dtype == torch.bfloat16 else t for k, t in arrays.items()}
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **{k: t.numpy() for k, t in arrays.items()})
+    meta[METADATA_PREFIX + "module_example"] = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return meta, ""
 
 
 def _named(module: torch.nn.Module, per_arg) -> dict:

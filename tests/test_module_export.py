@@ -141,3 +141,29 @@ def test_cli_module_spec(tmp_path, capsys):
         assert main(["export", "--module", bad, "-o", str(out)]) == 2
         err = capsys.readouterr().err
         assert reason in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_file_records_the_eager_outputs_of_the_example():
+    import base64
+    import io
+
+    block = rb.block("rotate_half_table")
+    x, pos = rb.example()
+    result = rope_export.export_module(block, (x, pos), input_names=["x", "pos"])
+    meta = {p.key: p.value for p in result.model.metadata_props}
+    assert meta["rope_export.source"] == "module" and meta["rope_export.module"].endswith(".Block")
+    with np.load(io.BytesIO(base64.b64decode(meta["rope_export.module_example"]))) as data:
+        assert np.array_equal(data["input/x"], x.numpy()) and np.array_equal(data["input/pos"], pos.numpy())
+        with torch.no_grad():
+            out, k = block(x, pos)
+        assert np.array_equal(data[f"output/{result.model.graph.output[0].name}"], out.numpy())
+        assert np.array_equal(data[f"output/{result.model.graph.output[1].name}"], k.numpy())
+
+
+def test_an_example_past_the_limit_is_not_recorded_and_said_so(monkeypatch):
+    from rope_export import module_export
+
+    monkeypatch.setattr(module_export, "EXAMPLE_LIMIT", 1000)
+    result = rope_export.export_module(rb.block("rotate_half_table"), rb.example())
+    assert "rope_export.module_example" not in {p.key for p in result.model.metadata_props}
+    assert any(n.startswith("example not recorded: its inputs and outputs take") for n in result.notes)

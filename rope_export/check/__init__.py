@@ -8,6 +8,9 @@ The package follows polygraphy's split between what is compared and how:
   model, another ONNX file, or onnx-reference as the golden), chosen from the file or named;
 * ``weights``: which weights the transformers model is rebuilt with (the file's record, else export
   --hf's rule), and a note whenever they are not the file's own;
+* ``module_reference``: PyTorch for an ``export_module`` file (the eager outputs it records, or the
+  module given to ``check``);
+* ``layer_rope``: each rotary node's own RoPE configuration where layer types differ (Gemma 3);
 * ``inputs``: feeds generated from the graph (decoder-aware, RoPE stress cases) or the user's own;
 * ``runners``: onnx-reference, the CPU twin, onnxruntime CPU/CUDA, TensorRT, each skipped with a reason;
 * ``graph`` and ``cache_rows``: every stored cache row compared with the RoPE configuration, and each

@@ -32,6 +32,7 @@ CHUNK_ELEMENTS = 1 << 22  # X elements per run of a node alone (16 MB in float32
 FLOAT32_ANGLE_SLACK = 2.0**-22  # caches computed in the graph in float32: angle error ~p*theta*2^-24 per rounding
 HALF_CACHE_SLACK = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # cos/sin rounded to X's half type
 PEER_SWEEP = 4096  # positions the runners are compared over when the file records no range
+OUT_OF_RANGE = (-1, -7)  # swept where the file passes them through, with limit, limit + 1 and 2 * limit + 5
 
 
 @dataclass
@@ -83,28 +84,46 @@ def fitted_rotation(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def check_tables(mf: ModelFile, rope: RopeConfig | None, slices: list[RotarySlice],
-                 position_limit: int | None) -> list[TableCheck]:
-    pairs = {(s.tables["cos"], s.tables["sin"]) for s in slices if s.tables}
-    results = []
-    static = rope is not None and not rope.seq_len_dependent
-    if static:
-        names = {n: role for pair in pairs for role, n in zip(("cos", "sin"), pair, strict=True)}
-        if not names and position_limit:  # lowered to plain ops: the tables are what a Gather reads
-            names = dict.fromkeys(tables_by_shape(mf, position_limit, rope.rotary_embedding_dim // 2))
-        for name, role in names.items():
-            results.append(_against_configuration(mf, rope, name, role))
-        return results
-    for cos_name, sin_name in sorted(pairs):
-        cos, sin = mf.tensor(cos_name).astype(np.float64), mf.tensor(sin_name).astype(np.float64)
+                 position_limit: int | None, ropes: list[RopeConfig | None] | None = None) -> list[TableCheck]:
+    """``rope``: the file's configuration; ``ropes``: each slice's where layers differ (None: ``rope`` for all)."""
+    ropes = [rope] * len(slices) if ropes is None else ropes
+    pairs = {(s.tables["cos"], s.tables["sin"]): r for s, r in zip(slices, ropes, strict=True) if s.tables}
+    results, fitted = [], []
+    for (cos_name, sin_name), r in sorted(pairs.items(), key=lambda item: item[0]):
+        if r is not None and not r.seq_len_dependent:
+            results += [_against_configuration(mf, r, n, role) for role, n in (("cos", cos_name), ("sin", sin_name))]
+        else:
+            fitted.append((cos_name, sin_name))
+    if not pairs and rope is not None and not rope.seq_len_dependent and position_limit:
+        # lowered to plain ops: the tables are what a Gather reads
+        for name in tables_by_shape(mf, position_limit, rope.rotary_embedding_dim // 2):
+            results.append(_against_configuration(mf, rope, name, None))
+    for name in sorted({s.table for s in slices if not s.tables and s.table and _complex_table(mf, s.table)}):
+        fitted.append((name, name))  # Meta's freqs_cis as [rows, rd/2, 2]: (cos, sin) per pair
+    for cos_name, sin_name in fitted:
+        if cos_name == sin_name:
+            table = mf.tensor(cos_name).astype(np.float64)
+            table = table.reshape(-1, table.shape[-2], 2)
+            cos, sin = table[..., 0], table[..., 1]
+        else:
+            cos, sin = mf.tensor(cos_name).astype(np.float64), mf.tensor(sin_name).astype(np.float64)
         want_cos, want_sin, theta = fitted_rotation(cos, sin)
         tol = tolerance("op", _dtype_name(mf.tensor(cos_name)))
         slack = np.arange(len(cos))[:, None] * theta * FLOAT32_ANGLE_SLACK  # tables made in float32 elsewhere
         # one check for the pair: a changed cos or sin row is a row that is no rotation of its neighbours
         worst, bad = _bad_rows(np.concatenate([cos, sin], axis=1), np.concatenate([want_cos, want_sin], axis=1), tol,
                                np.concatenate([slack, slack], axis=1))
-        results.append(TableCheck(f"{cos_name}, {sin_name}", "cos/sin", len(cos), "a fitted rotation table", worst,
-                                  bad, not bad))
+        results.append(TableCheck(cos_name if cos_name == sin_name else f"{cos_name}, {sin_name}", "cos/sin",
+                                  len(cos), "a fitted rotation table", worst, bad, not bad))
     return results
+
+
+def _complex_table(mf: ModelFile, name: str) -> bool:
+    """A [rows, w, 2] float table (a complex freqs_cis seen as real): each row (cos, sin) per channel pair."""
+    dims = [d for d in mf.initializer(name).dims]
+    while len(dims) > 3 and dims[0] == 1:
+        dims = dims[1:]
+    return len(dims) == 3 and dims[2] == 2 and dims[0] > 1
 
 
 def _against_configuration(mf: ModelFile, rope: RopeConfig, name: str, role: str | None) -> TableCheck:
@@ -162,6 +181,7 @@ class _Golden:
     runner: object = None
     slack_per_position: float = 0.0  # times max|x|: caches computed in the graph in float32
     slack: float = 0.0  # times max|x|: caches rounded to a half type
+    from_table: bool = False  # the limit is the rows of the table per-token caches are cut from
 
 
 def _per_token(value: np.ndarray, rank: int) -> np.ndarray:
@@ -202,26 +222,66 @@ def _rotate(golden: _Golden, sl: RotarySlice, x: np.ndarray, positions: np.ndarr
     return _per_token(y.float().numpy(), rank)
 
 
-def _chunks(limit: int, width: int, out_of_range: bool) -> list[np.ndarray]:
-    size = max(1, min(limit, CHUNK_ELEMENTS // max(width, 1)))
-    chunks = [np.arange(start, min(start + size, limit)) for start in range(0, limit, size)]
+def _chunks(limit: int, width: int, out_of_range: bool, fixed: int | None = None) -> list[np.ndarray]:
+    """Positions covering [0, limit) in runs of bounded size; ``fixed``: every run exactly that long (the
+    file's static sequence length; the last run ends at limit - 1)."""
+    if fixed:
+        chunks = [np.arange(start, start + fixed) for start in (*range(0, limit - fixed, fixed), limit - fixed)]
+    else:
+        size = max(1, min(limit, CHUNK_ELEMENTS // max(width, 1)))
+        chunks = [np.arange(start, min(start + size, limit)) for start in range(0, limit, size)]
     if out_of_range:
-        chunks.append(np.array([-1, -7, limit, limit + 1, 2 * limit + 5]))
+        outside = np.array([*OUT_OF_RANGE, limit, limit + 1, 2 * limit + 5])
+        chunks.append(np.resize(outside, fixed) if fixed else outside)
     return chunks
 
 
-def _slice_feeds(sl: RotarySlice, positions: np.ndarray, rng) -> dict[str, np.ndarray]:
-    from rope_export.check.inputs import input_role
+def _static(dim) -> int | None:
+    return dim if isinstance(dim, int) and dim > 0 else None
 
-    s = len(positions)
-    feeds, _ = make_feeds(sl.graph_inputs, Sizes(1, s, 0), int(positions[0]), InputPlan(vocab=2), rng)
-    for spec in sl.graph_inputs:
-        if input_role(spec) == "position_ids":
-            feeds[spec.name] = np.broadcast_to(positions, feeds[spec.name].shape).astype(spec.dtype)
+
+def _fixed_seq(sl: RotarySlice) -> int | None:
+    """The sequence length the file fixes for this node (X's, or its positions'), or None when dynamic."""
     dims = sl.x.dims
-    shape = (1, dims[1], s, dims[3]) if len(dims) == 4 else (1, s, dims[2])
+    fixed = _static(dims[2] if len(dims) == 4 else dims[1])
+    for spec in sl.position_inputs:
+        if fixed is None and spec.dims and len(spec.dims) >= 2:
+            fixed = _static(spec.dims[-1])
+    return fixed
+
+
+def _slice_feeds(sl: RotarySlice, positions: np.ndarray, rng) -> dict[str, np.ndarray]:
+    s = len(positions)
+    batch = _static(sl.x.dims[0]) or 1
+    feeds, _ = make_feeds(sl.graph_inputs, Sizes(batch, s, 0), int(positions[0]), InputPlan(vocab=2), rng)
+    for spec in sl.position_inputs:  # found by data flow, whatever the input is called
+        shape = feeds[spec.name].shape
+        value = np.broadcast_to(positions, shape) if shape and shape[-1] == s else np.full(shape, positions[0])
+        feeds[spec.name] = value.astype(spec.dtype)
+    dims = sl.x.dims
+    shape = (batch, dims[1], s, dims[3]) if len(dims) == 4 else (batch, s, dims[2])
     feeds[sl.x.name] = rng.standard_normal(shape, dtype=np.float32).astype(sl.x.dtype)
     return feeds
+
+
+class _PositionsRead:
+    """The positions the node reads where the graph computes them (start_pos + arange, arange over the
+    sequence, ...): the nodes between the inputs and the node, evaluated by onnx.reference."""
+
+    def __init__(self, sl: RotarySlice):
+        self.evaluator = None
+        if sl.positions_model is not None:
+            from onnx.reference import ReferenceEvaluator
+
+            self.evaluator = ReferenceEvaluator(sl.positions_model)
+            self.names = [i.name for i in sl.positions_model.graph.input]
+
+    def __call__(self, feeds: dict[str, np.ndarray], fed: np.ndarray) -> np.ndarray:
+        if self.evaluator is None:
+            return fed
+        (value,) = self.evaluator.run(None, {n: feeds[n] for n in self.names})
+        value = np.asarray(value, np.int64)
+        return value.reshape(-1, value.shape[-1])[0] if value.ndim else np.full(len(fed), int(value))
 
 
 def _golden_for(sl: RotarySlice, mf: ModelFile, rope: RopeConfig | None, position_limit: int | None,
@@ -229,6 +289,9 @@ def _golden_for(sl: RotarySlice, mf: ModelFile, rope: RopeConfig | None, positio
     """(golden, the positions' upper end) or (None, why not)."""
     stored = sl.tables
     limit = int(mf.initializer(stored["cos"]).dims[0]) if stored else position_limit
+    from_table = limit is None and not sl.chosen.position_ids and sl.table_rows is not None
+    if from_table:  # per-token caches cut from a table (Meta's freqs_cis): no position past its last row
+        limit = sl.table_rows
     if limit is None and rope is not None:
         return None, "the file records no position range and the node reads no stored cache"
     cache_type = mf.value_type(sl.chosen.cos)
@@ -247,27 +310,47 @@ def _golden_for(sl: RotarySlice, mf: ModelFile, rope: RopeConfig | None, positio
         runner, _ = make_runner("onnx-reference", ModelFile.open(sl.model), limits=Limits(max_in_memory=max_in_memory))
     except Skip as why:
         return None, f"no RoPE configuration or stored cache to compare with, and no golden ({why})"
-    return _Golden("runner", runner=runner, limit=limit), limit or PEER_SWEEP
+    return _Golden("runner", runner=runner, limit=limit, from_table=from_table), limit or PEER_SWEEP
 
 
-def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, rope: RopeConfig | None,
+def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, ropes: list[RopeConfig | None],
           position_limit: int | None, out_of_range_allowed: bool, plugin_library=None, max_in_memory: int,
           say=lambda message: None, seed: int = 7) -> tuple[dict[str, SweepResult], list[str]]:
+    """``ropes``: each slice's RoPE configuration (``layer_rope.slice_ropes``), None where the file has none."""
     results = {name: SweepResult(name) for name in runner_names}
     notes = []
     rng = np.random.default_rng(seed)
-    for sl in slices:
+    for sl, rope in zip(slices, ropes, strict=True):
         golden, limit = _golden_for(sl, mf, rope, position_limit, runner_names, max_in_memory)
         if golden is None:
             notes.append(f"{sl.label}: not swept: {limit}")
             continue
         if golden.kind == "runner":
+            why = (f"no RoPE configuration in the file; its caches are cut from a table of {limit} rows"
+                   if golden.from_table else
+                   f"no RoPE configuration{'' if golden.limit else ' or position range'} in the file")
             notes.append(f"{sl.label}: run alone over positions 0..{limit - 1} and compared with onnx-reference "
-                         f"(no RoPE configuration{'' if golden.limit else ' or position range'} in the file)")
-        passes = out_of_range_allowed and golden.limit is not None and (
+                         f"({why})")
+        # per-token caches cut from a table have no row past its end
+        cut = not sl.chosen.position_ids and (golden.from_table or sl.table is not None)
+        passes = out_of_range_allowed and golden.limit is not None and not cut and (
             sl.chosen.kind in CONTRACT_KINDS or not sl.chosen.position_ids)
         width = int(np.prod([d for d in sl.x.dims if isinstance(d, int)]))
-        chunks = _chunks(limit, width, passes)
+        fixed = _fixed_seq(sl)
+        if fixed is not None and fixed > limit:
+            notes.append(f"{sl.label}: not swept: the file fixes its sequence at {fixed} tokens, more than the "
+                         f"{limit} positions to sweep")
+            continue
+        if not sl.chosen.position_ids and not sl.position_inputs:  # no input steers them: token i is at i
+            longest = fixed or max(1, CHUNK_ELEMENTS // max(width, 1))
+            if limit > longest:
+                notes.append(f"{sl.label}: swept over positions 0..{longest - 1} of {limit} only: its positions are "
+                             f"the tokens' indices (no input sets them), and one run takes at most {longest} tokens")
+            chunks = [np.arange(min(limit, longest))]
+        else:
+            if fixed is not None:
+                notes.append(f"{sl.label}: run alone {fixed} tokens at a time (the file's static sequence length)")
+            chunks = _chunks(limit, width, passes, fixed)
         slice_file = ModelFile.open(sl.model)
         runners = {}
         for name in runner_names:
@@ -283,16 +366,23 @@ def sweep(mf: ModelFile, slices: list[RotarySlice], runner_names, *, rope: RopeC
                 results[name].fail(f"{sl.label}: cannot run the node alone: {first_line(exc)}")
         if not runners:
             continue
+        try:
+            read = _PositionsRead(sl)
+        except Exception as exc:  # noqa: BLE001 - onnx.reference cannot run what computes the positions
+            notes.append(f"{sl.label}: not swept: the positions it reads are computed in the graph by nodes "
+                         f"onnx.reference cannot run ({first_line(exc)})")
+            continue
         say(f"sweeping {sl.label} over positions 0..{limit - 1}{' and out of range' if passes else ''} on "
             f"{', '.join(runners)}")
-        _run_sweep(sl, golden, chunks, runners, results, rng, limit)
+        _run_sweep(sl, golden, chunks, runners, results, rng, limit, read)
         del runners
     for result in results.values():
         result.finish()
     return results, notes
 
 
-def _run_sweep(sl, golden: _Golden, chunks, runners: dict, results: dict[str, SweepResult], rng, limit: int) -> None:
+def _run_sweep(sl, golden: _Golden, chunks, runners: dict, results: dict[str, SweepResult], rng, limit: int,
+               read: _PositionsRead) -> None:
     rank = len(sl.x.dims)
     tol = tolerance("op", str(sl.x.dtype))
     active, started = {}, []
@@ -309,11 +399,13 @@ def _run_sweep(sl, golden: _Golden, chunks, runners: dict, results: dict[str, Sw
         golden.runner.activate()
     bad: dict[str, list] = {name: [] for name in active}
     output = sl.chosen.node.output[0]
+    covered = {name: np.zeros(limit, bool) for name in active}
     try:
-        for positions in chunks:
-            feeds = _slice_feeds(sl, positions, rng)
+        for fed in chunks:
+            feeds = _slice_feeds(sl, fed, rng)
             x = feeds[sl.x.name]
             try:
+                positions = read(feeds, fed)  # what the node reads, where the graph computes it from the feeds
                 if golden.kind == "runner":
                     want = _per_token(golden.runner.infer(feeds)[output], rank)
                 else:
@@ -339,7 +431,9 @@ def _run_sweep(sl, golden: _Golden, chunks, runners: dict, results: dict[str, Sw
                 r.position_error.add(positions, token_err)
                 r.max_abs = max(r.max_abs or 0.0, float(token_err.max(initial=0.0)))
                 inside = (positions >= 0) & (positions < limit)
-                r.positions += int(inside.sum())
+                fresh = np.unique(positions[inside])  # runs of a static length overlap at the end
+                r.positions += int((~covered[name][fresh]).sum())
+                covered[name][fresh] = True
                 r.out_of_range += int((~inside).sum())
     finally:
         for runner in started:

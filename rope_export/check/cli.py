@@ -43,6 +43,9 @@ def register(subparsers) -> None:
                              "export a fused or lowered file came from")
     parser.add_argument("--hf", metavar="CONFIG", help="compare with the transformers model of this config (folder or "
                                                        ".json); default: the config recorded in the file")
+    parser.add_argument("--module", metavar="SPEC",
+                        help="compare with the PyTorch module a file of `export --module` came from, run on every "
+                             "case: the same PACKAGE.MODULE:FACTORY or path/to/file.py:FACTORY as the export")
     parser.add_argument("--weights", metavar="DIR",
                         help="the transformers checkpoint folder (default: the weights the file records, random "
                              "ones included; for a file that records none, the checkpoint beside --hf, else random "
@@ -90,13 +93,14 @@ def _run(args) -> int:
 
     console = Console()
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
+    module = _load_module(args.module) if args.module else {}
     with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
         report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,
                        seed=args.seed, random_weights=args.random_weights, inputs=args.inputs, batch=args.batch,
                        seq=args.seq, past=args.past,
                        long_seq=args.long_seq, sweep=not args.no_sweep, plugin_library=args.plugin,
                        memory_limit_gb=args.memory_limit, max_in_memory_gb=args.max_in_memory,
-                       piece_limit_gb=args.piece_limit, progress=progress)
+                       piece_limit_gb=args.piece_limit, progress=progress, **module)
         if report.weights:  # which weights the transformers reference was built with
             progress.facts["weights"] = report.weights
     print_report(report, console)
@@ -107,3 +111,15 @@ def _run(args) -> int:
         print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _load_module(spec: str) -> dict:
+    """check's module/args/kwargs from an export factory; a factory that fails is bad input (exit 2)."""
+    from rope_export.check.model_file import CheckError
+    from rope_export.module_export import ModuleExportError, load_factory
+
+    try:
+        parts = load_factory(spec)
+    except ModuleExportError as exc:
+        raise CheckError(str(exc)) from None
+    return {"module": parts["module"], "args": parts["args"], "kwargs": parts.get("kwargs")}

@@ -16,10 +16,12 @@ from rope_export.check import cache_rows
 from rope_export.check.compare import compare_output, token_errors
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
+from rope_export.check.layer_rope import slice_ropes
 from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
 from rope_export.check.model_file import CheckError, ModelFile, free_memory, memory_limit_bytes
+from rope_export.check.module_reference import ModuleReference, RecordedReference, read_example
 from rope_export.check.pieces import StreamedRunner
-from rope_export.check.references import _file_dtype, choose_reference
+from rope_export.check.references import OnnxFileReference, _file_dtype, choose_reference
 from rope_export.check.report import CheckReport, RunnerReport
 from rope_export.check.runners import (
     MAX_IN_MEMORY,
@@ -58,13 +60,19 @@ def check(
     long_seq: int | None = None,
     sweep: bool = True,
     reference_block=None,
+    module=None,
+    args=None,
+    kwargs: dict | None = None,
     plugin_library: str | None = None,
     memory_limit_gb: float | None = None,
     max_in_memory_gb: float | None = None,
     piece_limit_gb: float | None = None,
     progress=None,
 ) -> CheckReport:
-    """Run every runner on the file and compare with its reference (see ``rope_export.check``)."""
+    """Run every runner on the file and compare with its reference (see ``rope_export.check``).
+
+    ``module`` (with ``args``/``kwargs``, the example it was exported with): the PyTorch module a file of
+    ``export_module`` came from, run on every case as the reference (``check.module_reference``)."""
     say = progress or (lambda message: None)
     runners = tuple(runners)
     check_runner_names(runners)
@@ -85,9 +93,20 @@ def check(
         if reference is None and hf_config is None:
             raise
         metadata_notes.append(f"the file's metadata is not used: {exc}")
-    ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
-                                  hf_config=hf_config, weights=None if weights is None else str(weights), seed=seed,
-                                  random_weights=random_weights, reference_block=reference_block, limits=limits)
+    example = read_example(mf) if not inputs else None
+    if module is not None:
+        if reference is not None or hf_config is not None:
+            raise CheckError("give module= or --reference/--hf, not both")
+        ref, notes = ModuleReference(mf, module, args, kwargs), []
+        ref.weight_bytes = mf.weight_bytes
+    elif example is not None and source is None and reference is None and hf_config is None:
+        ref, notes = RecordedReference(mf, example, limits), []
+        ref.weight_bytes = mf.weight_bytes
+    else:
+        ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
+                                      hf_config=hf_config, weights=None if weights is None else str(weights),
+                                      seed=seed, random_weights=random_weights, reference_block=reference_block,
+                                      limits=limits)
     notes = metadata_notes + notes
     if mf.contrib_ops:
         notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest of the "
@@ -105,18 +124,28 @@ def check(
     slices, slice_notes = rotary_slices(mf)
     notes += slice_notes
     stored_rows = [int(mf.initializer(s.tables["cos"]).dims[0]) for s in slices if s.tables]
+    # per-token caches cut from a table (Meta's freqs_cis): the positions it has rows for
+    stored_rows += [s.table_rows for s in slices if not s.tables and not s.chosen.position_ids and s.table_rows]
     if position_limit is None and stored_rows:
         position_limit = min(stored_rows)
     say("comparing every row of the stored cos/sin caches")
-    tables = cache_rows.check_tables(mf, rope, slices, position_limit)
+    ropes, rope_notes = slice_ropes(mf, slices, rope, hf_info.rope_by_layer_type if hf_info else {},
+                                    hf_info.layer_types if hf_info else [])
+    notes += rope_notes
+    tables = cache_rows.check_tables(mf, rope, slices, position_limit, ropes)
 
     past_end = not _raw_positions(mf) and (
         (preset is not None and not preset.rope.seq_len_dependent)
         or (source is None and bool(stored_rows) and all(s.tables for s in slices)))
+    if past_end and isinstance(ref, (ModuleReference, OnnxFileReference)):
+        past_end = False  # the file passes such tokens through; a module or plain export indexes its tables with them
+        notes.append(f"no case past the end of the positions: the reference ({ref.label}) has no pass-through for "
+                     "them")
     vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
+    positions_in = tuple(dict.fromkeys(s.name for sl in slices for s in sl.position_inputs if len(s.dims or ()) == 2))
     plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()
                         if v is not None}, position_limit=position_limit, past_end_allowed=past_end,
-                     vocab=vocab if isinstance(vocab, int) else None)
+                     vocab=vocab if isinstance(vocab, int) else None, position_inputs=positions_in)
     for name in ("batch", "seq", "long_seq"):
         if getattr(plan, name) < 1:
             raise CheckError(f"--{name.replace('_', '-')} must be at least 1")
@@ -128,6 +157,9 @@ def check(
         cases, case_notes = stress_cases(mf, plan, limit)
         notes += case_notes
         described = describe_plan(plan)
+    if example is not None:  # the example export_module ran the module on: its eager outputs are in the file
+        cases.append(example.case())
+        described += f"; and the example recorded at export (case {example.case().name})"
     if source == "transformers" and plan.vocab is None and not inputs:
         notes.append("the vocabulary size was not found; token ids are drawn below 2")
 
@@ -181,7 +213,7 @@ def check(
 
     if sweep and slices:
         results, sweep_notes = cache_rows.sweep(
-            mf, slices, runners, rope=rope, position_limit=position_limit, out_of_range_allowed=past_end,
+            mf, slices, runners, ropes=ropes, position_limit=position_limit, out_of_range_allowed=past_end,
             plugin_library=plugin_library, max_in_memory=max_in_memory, say=say)
         notes += sweep_notes
         for r in reports:
@@ -208,6 +240,8 @@ def _layers(mf: ModelFile) -> int:
 
 
 def _short(ref) -> str:
+    if getattr(ref, "short", None):
+        return ref.short
     label = ref.label
     if label.startswith("PyTorch"):
         return "PyTorch"

@@ -111,6 +111,13 @@ class RotarySlice:
     graph_inputs: list[TensorSpec]  # the file's inputs the caches come from (position_ids)
     rotary_dim: int | None
     tables: dict[str, str] = field(default_factory=dict)  # "cos"/"sin" -> stored [rows, rd/2] initializer
+    # the integer graph inputs the node's positions come from (found by data flow, whatever their names)
+    position_inputs: list[TensorSpec] = field(default_factory=list)
+    # the nodes computing the node's position_ids from those inputs (None: it reads a graph input as it is)
+    positions_model: onnx.ModelProto | None = None
+    # the stored table the caches are cut from (Meta's freqs_cis as [rows, rd/2, 2]) and its rows
+    table: str | None = None
+    table_rows: int | None = None
 
     @property
     def label(self) -> str:
@@ -232,7 +239,45 @@ def _build_slice(mf, members, rn, x, nodes, inits, inputs, rotary_dim) -> Rotary
     model = helper.make_model(graph, opset_imports=list(mf.proto.opset_import), ir_version=mf.proto.ir_version)
     model.functions.extend(mf.proto.functions)
     tables = _stored_tables(mf, rn, rotary_dim)
-    return RotarySlice(members, rn, model, x_spec, graph_inputs, rotary_dim, tables)
+    positions, positions_model = _positions_of(mf, rn, graph_inputs)
+    return RotarySlice(members, rn, model, x_spec, graph_inputs, rotary_dim, tables, positions, positions_model,
+                       *_table(mf, nodes, inits))
+
+
+_CUTTING_OPS = ("Gather", "GatherND", "GatherElements", "Slice")
+
+
+def _table(mf: ModelFile, nodes: list[onnx.NodeProto], inits: set[str]) -> tuple[str | None, int | None]:
+    """(the table the caches are cut from: an initializer a Gather/Slice reads rows of, the positions it holds: its
+    first dim past leading 1s), the one of fewest rows where several; (None, None) when there is none."""
+    cut = {n.input[0] for n in nodes if n.op_type in _CUTTING_OPS and n.domain in ("", "ai.onnx") and n.input}
+    found = []
+    for name in sorted(inits & cut):
+        tensor = mf.initializer(name)
+        dims = list(tensor.dims)
+        while len(dims) > 2 and dims[0] == 1:
+            dims = dims[1:]
+        if tensor.data_type in FLOAT_ELEM_TYPES and len(dims) >= 2 and dims[0] > 1:
+            found.append((int(dims[0]), name))
+    rows, name = min(found) if found else (None, None)
+    return name, rows
+
+
+def _positions_of(mf: ModelFile, rn: RotaryNode, graph_inputs: list[TensorSpec]):
+    """(the integer graph inputs the node's positions come from, a model computing its position_ids from the
+    slice's inputs when they are not one of those as it is). Without position_ids the positions are what
+    the per-token caches are computed from."""
+    nodes, inits, reached = _Walk(mf, cut=rn.x).ancestors([rn.position_ids] if rn.position_ids else [rn.cos, rn.sin])
+    integer = [s for s in graph_inputs if s.name in reached and not s.is_float and s.dtype.kind in "iu"]
+    if not rn.position_ids or rn.position_ids in {s.name for s in graph_inputs}:
+        return integer, None
+    graph = helper.make_graph(
+        nodes, "positions", [_value_info(s) for s in graph_inputs],
+        [helper.make_tensor_value_info(rn.position_ids, onnx.TensorProto.INT64, None)],
+        initializer=[_tensor_in_memory(mf, n) for n in sorted(inits)])
+    model = helper.make_model(graph, opset_imports=list(mf.proto.opset_import), ir_version=mf.proto.ir_version)
+    model.functions.extend(mf.proto.functions)
+    return integer, model
 
 
 def _stored_tables(mf: ModelFile, rn: RotaryNode, rotary_dim: int | None) -> dict[str, str]:

@@ -50,6 +50,7 @@ class InputPlan:
     past_end_allowed: bool = False  # positions >= limit are legal (pass-through, or computed in the graph)
     vocab: int | None = None
     seed: int = 1
+    position_inputs: tuple[str, ...] = ()  # inputs the rotary nodes' positions flow from, whatever their names
 
 
 def input_role(spec: TensorSpec) -> str:
@@ -102,7 +103,10 @@ def _axis_size(code: str, sizes: Sizes) -> int:
 def fit_sizes(specs: list[TensorSpec], sizes: Sizes) -> Sizes:
     """The case's sizes with every static batch / length of the file imposed."""
     fixed = {}
-    for spec in specs:
+    # token ids and positions first: their axes are surely batch and sequence (X's axis 1 may be heads)
+    for spec in sorted(specs, key=lambda s: input_role(s) not in ("input_ids", "position_ids")):
+        if input_role(spec) == "float" and len(spec.dims or ()) == 4:  # [B, H, S, D] or [B, S, H, D]: axis 1 unsure
+            continue
         for axis, code in _role_axes(input_role(spec), len(spec.dims or ())).items():
             d = spec.dims[axis]
             if isinstance(d, int) and code in "BSP":
@@ -142,7 +146,8 @@ def make_feeds(specs: list[TensorSpec], sizes: Sizes, first: int, plan: InputPla
     positions = first + np.broadcast_to(np.arange(sizes.seq), (sizes.batch, sizes.seq))
     feeds = {}
     for spec in specs:
-        shape, role = shape_of(spec, sizes, symbols), input_role(spec)
+        shape = shape_of(spec, sizes, symbols)
+        role = "position_ids" if spec.name in plan.position_inputs else input_role(spec)
         if role == "input_ids":
             value = rng.integers(0, plan.vocab or 2, shape)
         elif role == "position_ids":
@@ -211,8 +216,13 @@ def stress_cases(mf: ModelFile, plan: InputPlan, memory_limit: int) -> tuple[lis
         specs_, moved = _positions_from_past(specs_, has_past, notes)
     rng = np.random.default_rng(plan.seed)
     cases = []
-    for name, sizes, first, scale, varied in specs_:
-        sizes = fit_sizes(specs, sizes)
+    for name, wanted, first, scale, varied in specs_:
+        sizes = fit_sizes(specs, wanted)
+        if name == "long-sequence" and sizes.seq < wanted.seq and sizes.seq <= s:
+            notes.append(f"case long-sequence left out: the file fixes the sequence at {sizes.seq} tokens")
+            continue
+        if name == "prefill-end-of-positions":  # still ending at the last position with a static length
+            first = max(0, limit - sizes.seq)
         need = working_set_bytes(specs, sizes)
         if name in moved and need > memory_limit:
             notes.append(f"case {name} left out: without position_ids it needs a past of {sizes.past} tokens, about "

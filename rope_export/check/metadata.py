@@ -47,6 +47,8 @@ class HFInfo:
     rope: RopeConfig | None
     rope_extra: dict = field(default_factory=dict)
     layer: int | None = None
+    rope_by_layer_type: dict[str, RopeConfig] = field(default_factory=dict)  # Gemma 3: sliding vs global
+    layer_types: list[str] = field(default_factory=list)  # each layer's type, in order
 
     @property
     def position_limit(self) -> int | None:
@@ -133,8 +135,26 @@ def read_hf_info(mf: ModelFile, memory_limit: int) -> HFInfo:
     info = HFInfo(_dtype(mf), _int(mf, "seed", 0, 0, MAX_SEED), meta.get("kind", "hf-causal-lm"), meta["hf_config"],
                   None if weights == "random" else weights, meta.get("rope"), meta.get("rope_extra") or {},
                   layer if isinstance(layer, int) else None)
+    info.rope_by_layer_type, info.layer_types = _layer_ropes(mf, meta)
     require_memory("the transformers model of the metadata", transformers_bytes(info.config, info.dtype), memory_limit)
     return info
+
+
+def _layer_ropes(mf: ModelFile, meta: dict) -> tuple[dict[str, RopeConfig], list[str]]:
+    """Every layer type's RopeConfig and each layer's type (the metadata's own record, else the config's)."""
+    by_type = (meta.get("rope_extra") or {}).get("rope_by_layer_type") or {}
+    if not isinstance(by_type, dict):
+        _fail(mf, "rope_extra", "has a rope_by_layer_type that is not a table")
+    try:
+        ropes = {str(k): RopeConfig.from_dict(v) for k, v in by_type.items()}
+    except (ValueError, TypeError) as exc:
+        _fail(mf, "rope_extra", f"has a rope_by_layer_type entry that is no RoPE configuration ({exc})")
+    config = meta.get("hf_config") or {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    types = meta.get("layer_types") or text.get("layer_types") or []
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        _fail(mf, "layer_types", "is not a list of layer type names")
+    return ropes, types
 
 
 def transformers_bytes(config: dict, dtype: str) -> float:

@@ -82,7 +82,11 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
         _contrib_skip(mf, name)
     if name == "onnx-reference":
         _needs_proto(mf, name, limits.max_in_memory)
-        return OnnxReferenceRunner(mf.full_proto()), ""
+        runner = OnnxReferenceRunner(mf.full_proto())
+        runner.op_classes = [*runner.op_classes, _gather_elements_op()]
+        gathers = any(n.op_type == "GatherElements" and n.domain in ("", "ai.onnx") for n in mf.proto.graph.node)
+        return runner, " (GatherElements by np.take_along_axis: onnx.reference's np.choose takes at most 64 rows)" \
+            if gathers else ""
     if name == "cpu-twin":
         if not kinds & {"rope_export", "trt-plugin"}:
             raise Skip("no rope_export or trt-plugin rotary node for the twin to run (the file was lowered to "
@@ -113,6 +117,24 @@ def _contrib_skip(mf: ModelFile, name: str) -> None:
     if mf.contrib_ops:
         raise Skip(f"{CONTRIB_SKIP[name]} onnxruntime's contrib ops ({', '.join(mf.contrib_ops)}); onnxruntime-cpu "
                    "runs this file")
+
+
+def _gather_elements_op():
+    """GatherElements for onnx.reference without np.choose, which refuses an axis of more than 64 entries
+    (GPT-J's plain graph gathers its [n_positions, rotary_dim] table that way); same semantics."""
+    from onnx.reference.op_run import OpRun
+
+    class GatherElements(OpRun):
+        op_domain = ""
+
+        def _run(self, data, indices, axis=0):
+            axis = int(axis) % data.ndim
+            indices = np.where(indices < 0, indices + data.shape[axis], indices).astype(np.int64)
+            # indices may be smaller than data on the other axes: take the corner they address
+            view = data[tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(indices.shape))]
+            return (np.take_along_axis(view, indices, axis=axis),)
+
+    return GatherElements
 
 
 def ort_cpu_bytes(mf: ModelFile) -> int:

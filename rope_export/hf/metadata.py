@@ -49,6 +49,11 @@ def hf_metadata(model, family: HFFamily, *, hook_description: str, interleaved: 
     else:
         meta["rope"] = json.dumps(rope.to_dict(), sort_keys=True)
         meta["rope_extra"] = json.dumps(extra, sort_keys=True)
+    # which layer runs which type's RoPE (rope_by_layer_type), whatever the config leaves to its defaults
+    layer_types = getattr(config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config,
+                          "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and all(isinstance(t, str) for t in layer_types):
+        meta["layer_types"] = json.dumps(list(layer_types))
     if layer is not None:
         meta["layer"] = str(layer)
     return {METADATA_PREFIX + k: v for k, v in meta.items()}
@@ -63,6 +68,7 @@ def read_hf_metadata(model: onnx.ModelProto) -> dict:
     out = dict(props)
     out["rope"] = RopeConfig.from_dict(json.loads(props["rope"])) if props.get("rope") else None
     out["rope_extra"] = json.loads(props.get("rope_extra") or "{}")
+    out["layer_types"] = json.loads(props.get("layer_types") or "null")
     out["hf_config"] = json.loads(props["hf_config"])
     out["decode"] = props.get("decode") == "1"
     out["seed"] = int(props.get("seed", "0"))
