@@ -147,7 +147,7 @@ def make_feeds(specs: list[TensorSpec], sizes: Sizes, first: int, plan: InputPla
     feeds = {}
     for spec in specs:
         shape = shape_of(spec, sizes, symbols)
-        role = "position_ids" if spec.name in plan.position_inputs else input_role(spec)
+        role = plan_role(spec, plan)
         if role == "input_ids":
             value = rng.integers(0, plan.vocab or 2, shape)
         elif role == "position_ids":
@@ -178,12 +178,17 @@ def _positions(shape, positions: np.ndarray, varied_rows: bool) -> np.ndarray:
 
 # -- the stress cases --------------------------------------------------------------------------
 
+def plan_role(spec: TensorSpec, plan: InputPlan) -> str:
+    """An input's role; an input the rotary nodes' positions flow from is a position input, whatever its name."""
+    return "position_ids" if spec.name in plan.position_inputs else input_role(spec)
+
+
 def stress_cases(mf: ModelFile, plan: InputPlan, memory_limit: int) -> tuple[list[Case], list[str]]:
     """The RoPE stress cases for this file's inputs, and notes on the ones left out."""
     specs = mf.inputs
-    roles = {input_role(s) for s in specs}
+    roles = {plan_role(s, plan) for s in specs}
     has_past = "past" in roles
-    position_rank = max((len(s.dims or ()) for s in specs if input_role(s) == "position_ids"), default=0)
+    position_rank = max((len(s.dims or ()) for s in specs if plan_role(s, plan) == "position_ids"), default=0)
     limit = plan.position_limit
     notes = []
     b, s, p = plan.batch, plan.seq, plan.past if has_past else 0
