@@ -17,7 +17,7 @@ from importlib import metadata
 
 from rope_export.hf.errors import HFExportError
 
-TESTED = ("5.0.0", "5.24.0")  # (oldest, newest) transformers release the suite passed on
+TESTED = ("5.21.0", "5.24.0")  # (oldest, newest) transformers release the suite passed on
 
 
 def _release(version: str) -> tuple[int, ...]:
