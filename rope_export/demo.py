@@ -39,7 +39,7 @@ TINY_LLAMA = {
     "max_position_embeddings": 256, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+    "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,  # genai stops on eos: a folder for it has one
 }
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from check_files import COMMON, hf_config, plain_and_fused
+from check_files import COMMON, copy, hf_config, plain_and_fused
 from onnx import numpy_helper
 
 from rope_export.check import CheckError, check
@@ -41,7 +41,8 @@ def _optimized(target: str | None = "ort") -> onnx.ModelProto:
 
     from rope_export.passes import lower
 
-    model = plain_and_fused()[1] if target is None else lower(plain_and_fused()[1], target)
+    # a copy: onnxruntime's optimizer edits the proto it is given, and plain_and_fused() is shared
+    model = copy(plain_and_fused()[1]) if target is None else lower(plain_and_fused()[1], target)
     return optimize_model(model, model_type="gpt_neox", num_heads=4, hidden_size=32, opt_level=0).model
 
 

@@ -51,23 +51,20 @@ def config(family: str):
 
 
 class Attention(torch.nn.Module):
+    """The model's first attention layer fed as its decoder feeds it, found through the product's own helpers
+    (rope_export.hf), so a transformers refactor (GPT-J's rotary module in 5.24) changes one place."""
+
     def __init__(self, family: str, model):
         super().__init__()
+        from rope_export.hf import attention_layers, rotary_module
+
         self.family = family
-        if family == "gptj":
-            self.attn = model.transformer.h[0].attn
-        elif family == "gpt_neox":
-            self.rot, self.attn = model.gpt_neox.rotary_emb, model.gpt_neox.layers[0].attention
-        else:
-            self.rot, self.attn = model.model.rotary_emb, model.model.layers[0].self_attn
+        self.attn, self.rot = attention_layers(model)[0], rotary_module(model)
 
     def forward(self, hidden, position_ids):
-        if self.family == "gptj":
+        if self.rot is None:  # the attention computes its own angles (GPT-J before transformers 5.24)
             return self.attn(hidden, position_ids=position_ids)[0]
-        cos, sin = self.rot(hidden, position_ids)
-        if self.family == "gpt_neox":
-            return self.attn(hidden, attention_mask=None, position_embeddings=(cos, sin))[0]
-        return self.attn(hidden, position_embeddings=(cos, sin), attention_mask=None)[0]
+        return self.attn(hidden, position_embeddings=self.rot(hidden, position_ids), attention_mask=None)[0]
 
 
 @contextlib.contextmanager

@@ -39,8 +39,19 @@ def _onnxscript_rotary_count(model: onnx.ModelProto) -> int:
     return counts.get("rotary_embedding", 0)
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
-@pytest.mark.parametrize("family", FAMILIES)
+# transformers 5.24 moved GPT-J's angles into a rotary module; TorchScript's trace of that attention
+# reshapes q/k with a head count it does not keep static, and the fused op needs num_heads: left alone,
+# as the fusion report says (the dynamo export of the same block still fuses both sites).
+GPTJ_TORCHSCRIPT = "the TorchScript trace of transformers >= 5.24's GPT-J attention has no static head count"
+
+
+def _cases():
+    return [pytest.param(family, exporter, marks=pytest.mark.xfail(strict=True, reason=GPTJ_TORCHSCRIPT)
+                         if (family, exporter) == ("gptj", "torchscript") else ())
+            for family in FAMILIES for exporter in EXPORTERS]
+
+
+@pytest.mark.parametrize(("family", "exporter"), _cases())
 def test_fuses_every_site_and_computes_the_same(family, exporter):
     original = exported(family, exporter)
     report = FusionReport()
@@ -80,8 +91,7 @@ def test_fuses_every_site_and_computes_the_same(family, exporter):
         assert tol.allclose(run_ort(lowered, feeds)[0], want), target
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "exporter"), _cases())
 def test_fusion_is_idempotent(family, exporter):
     once = fuse(exported(family, exporter))
     report = FusionReport()
@@ -103,7 +113,8 @@ def test_at_least_every_site_onnxscript_fuses():
     for family, exporter, theirs, ours in rows:
         print(f"{family:<9} {exporter:<12} {theirs:>10} {ours:>12}")
     assert all(ours >= theirs for _, _, theirs, ours in rows)
-    assert all(ours == 2 for *_, ours in rows)  # q and k everywhere
+    # q and k everywhere, but GPT-J's TorchScript trace on transformers >= 5.24 (GPTJ_TORCHSCRIPT: 0)
+    assert all(ours == 2 for family, exporter, _, ours in rows if (family, exporter) != ("gptj", "torchscript"))
     # onnxscript leaves the interleaved sites (GPT-J) and the TorchScript exporter's files alone
     assert all(theirs == 0 for family, exporter, theirs, _ in rows if family == "gptj" or exporter == "torchscript")
     assert sum(row[2] for row in rows) < sum(row[3] for row in rows)
