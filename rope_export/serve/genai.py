@@ -199,11 +199,6 @@ def _hf_folder(path) -> Path | None:
     return path if path.is_dir() else path.parent
 
 
-def _has_weights(folder: Path | None) -> bool:
-    return folder is not None and any(folder.glob("*.safetensors")) or (
-        folder is not None and any(folder.glob("pytorch_model*.bin")))
-
-
 def _check_output(out: Path) -> None:
     """A new or empty folder, or one genai_config.json marks as an earlier package (it is replaced)."""
     if out.exists() and not out.is_dir():
@@ -249,8 +244,10 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
         folder.mkdir()
         if hf is not None:
             exported = stage / "exported.onnx"
-            if weights is None and _has_weights(hf_dir):
-                weights = hf_dir
+            if weights is None:  # export --hf's rule: the folder's own checkpoint, random weights only without one
+                from rope_export.hf.loading import weights_beside
+
+                weights = weights_beside(hf)
             _export(hf, exported, weights=weights, dtype=dtype, seed=seed, kv_buffer=kv_buffer, progress=say)
             if weights is None:
                 notes.append(f"random weights (seed {seed}): {hf} holds no weights and no --weights was given")
@@ -315,6 +312,6 @@ def _export(hf, output: Path, *, weights, dtype: str, seed: int, kv_buffer: bool
 
     progress(f"building the model from {hf}" + (f" with weights from {weights}" if weights else
                                                  f" (random weights, seed {seed})"))
-    model = build_hf_model(hf, weights, dtype=dtype, seed=seed, progress=progress)
+    model = build_hf_model(hf, weights, dtype=dtype, seed=seed, random_weights=weights is None, progress=progress)
     export_hf(model, output, attention_mask=True, kv_buffer=kv_buffer,
               weights=None if weights is None else str(weights), seed=seed, progress=progress)
