@@ -474,3 +474,10 @@ def _read_converted(f, entry: _Entry, target: torch.Tensor, buffer: bytearray, p
         _read_into(f, entry.start + first * item, view, path)
         flat[first:first + count].copy_(torch.frombuffer(view, dtype=entry.dtype, count=count))
     return buffer
+
+
+def weights_fact(folder: str | os.PathLike | None, seed: int) -> dict:
+    """Where a model's weights came from, as --summary-json records it (export --hf and check alike)."""
+    if folder is None:
+        return {"source": "random", "seed": seed}
+    return {"source": "folder", "path": str(Path(folder).resolve())}

@@ -34,9 +34,9 @@ class WeightsChoice:
 
     def to_dict(self) -> dict:
         """For --summary-json: where the reference's weights came from."""
-        if self.folder is None:
-            return {"source": "random", "seed": self.seed}
-        return {"source": "folder", "path": str(Path(self.folder).resolve())}
+        from rope_export.checkpoints import weights_fact
+
+        return weights_fact(self.folder, self.seed)
 
 
 _UNRECORDED = object()

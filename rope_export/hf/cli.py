@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rope_export import contract
+from rope_export.checkpoints import weights_fact
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.exporting import FALLBACKS, export_hf
 from rope_export.hf.families import HF_FAMILIES
@@ -106,8 +107,7 @@ def run_hf_export(args) -> int:
     with said_when_untested(), cli_steps(console, f"rope-export export --hf: {args.output}",
                                          args.summary_json) as progress:
         # --summary-json says which weights the file holds, as its first line does
-        progress.facts["weights"] = ({"source": "random", "seed": args.seed} if weights is None else
-                                     {"source": "folder", "path": str(Path(weights).resolve())})
+        progress.facts["weights"] = weights_fact(weights, args.seed)
         progress(f"building the model from {args.hf}" + (f" with weights from {weights}" if weights else
                                                           f" (random weights, seed {args.seed})"))
         model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed,

@@ -30,8 +30,8 @@ def _add_genai(packagers) -> None:
     parser.add_argument("--hf", metavar="MODEL_DIR", default=None,
                         help="a local transformers folder (config.json): exported here with an attention_mask input")
     parser.add_argument("--weights", metavar="DIR", default=None,
-                        help="with --hf: the folder with the weights (default: MODEL_DIR when it holds *.safetensors "
-                             "or pytorch_model*.bin, else random weights, --seed)")
+                        help="with --hf: the folder with the weights (default: as export --hf, the checkpoint in "
+                             "MODEL_DIR, else random weights, --seed)")
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
                         help="the folder to copy tokenizer files and generation_config.json's defaults from "
                              "(default: MODEL_DIR)")
