@@ -84,10 +84,12 @@ class _LMWithPast(torch.nn.Module):
     def forward(self, input_ids, position_ids, past_key, past_value):
         from transformers.cache_utils import DynamicCache
 
+        from rope_export.hf.cache_io import returned_cache, with_cache
+
         cache = DynamicCache()
         cache.update(past_key, past_value, 0)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
-        layer = out.past_key_values.layers[0]
+        out = with_cache(self.model, cache, input_ids=input_ids, position_ids=position_ids)
+        layer = returned_cache(out).layers[0]
         return out.logits, layer.keys, layer.values
 
 
