@@ -2,7 +2,9 @@
 
 Each subcommand lives in the module that implements it, as a ``register(subparsers)`` function
 that adds its parser and sets ``func``; this file only lists those modules, so adding a command
-is adding a line to ``COMMAND_MODULES``.
+is adding an entry to ``COMMANDS``. Only the modules of the command being run are imported (torch,
+transformers and onnxruntime take seconds to import): ``rope-export --help`` lists the commands from
+``COMMANDS`` alone.
 
 It also owns what every command shares at its edge: an error is one line on stderr, never a
 traceback (exit 2 for bad input, 1 for an internal error, with ``--debug`` for the traceback; a
@@ -22,19 +24,32 @@ import signal
 import sys
 from collections.abc import Iterator
 
-COMMAND_MODULES = [
-    "rope_export.presets",
-    "rope_export.export",
-    "rope_export.module_export",  # adds --module and --allow-decomposed to export
-    "rope_export.hf.cli",  # adds the --hf options to export
-    "rope_export.passes.cli",
-    "rope_export.check",
-    "rope_export.plugin_build",
-    "rope_export.trt",
-    "rope_export.bench",
-    "rope_export.demo",
-    "rope_export.serve.cli",  # package: serving stacks (Triton, onnxruntime-genai)
-]
+# Every command, in the order of a user's path, with the line `rope-export --help` shows for it (the one
+# place it is written: the registered parsers get it from here) and the modules whose register() build it:
+# the first adds the parser, the others add their options to it.
+COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "export": ("export to ONNX with one rotary node per rotated tensor: a transformers model folder (--hf), "
+               "your own nn.Module (--module) or a preset's attention block",
+               ("rope_export.export", "rope_export.module_export", "rope_export.hf.cli")),
+    "lower": ("rewrite the rotary nodes for a runtime: trt-plugin, onnx, ort or decomposed",
+              ("rope_export.passes.cli",)),
+    "check": ("compare an ONNX file with its reference (PyTorch, transformers, another file) on every runner",
+              ("rope_export.check",)),
+    "package": ("write what a serving stack loads as it is (an onnxruntime-genai folder, a Triton model "
+                "repository)", ("rope_export.serve.cli",)),
+    "build": ("build a TensorRT engine from a trt-plugin ONNX file, with the rotary plugin loaded",
+              ("rope_export.trt",)),
+    "build-plugin": ("build the rotary kernels, their CPU twin and the TensorRT plugin libraries",
+                     ("rope_export.plugin_build",)),
+    "fuse": ("replace decomposed RoPE in any ONNX file by rotary nodes", ("rope_export.passes.cli",)),
+    "presets": ("list the model presets, or show one", ("rope_export.presets",)),
+    "demo": ("export, lower, build, check: the whole product on one preset and a tiny transformers Llama",
+             ("rope_export.demo",)),
+    "bench": ("benchmark RoPE alone, whole blocks, the CPU twin, the GPU path, the kernels' build and this "
+              "command line's start-up", ("rope_export.bench",)),
+}
+# The modules, in registration order (tests narrow it to the commands they use).
+COMMAND_MODULES = list(dict.fromkeys(module for _, modules in COMMANDS.values() for module in modules))
 DEBUG_ENV = "ROPE_EXPORT_DEBUG"
 # Libraries that log exceptions with their tracebacks (onnx_ir's shape inference does, before our
 # own error says what is wrong); quiet unless --debug.
@@ -79,16 +94,40 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_in(argv: list[str]) -> str | None:
+    """The command named on the line: the first word that is not an option (the top level has only options
+    without values)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _not_available(args) -> int:
+    raise CLIError(f"the command {args.command} is not available here")
+
+
+def build_parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
+    """The parser; with ``every=False`` only ``command``'s modules are imported and the other commands are
+    names in the listing (what `rope-export --help` and a run need)."""
     parser = argparse.ArgumentParser(
         prog="rope-export",
-        description="Export RoPE attention blocks to ONNX with one rotary op, lower and check them.",
+        description="Export RoPE attention blocks to ONNX with one rotary op, lower it for a runtime, check it "
+        "against PyTorch and package it for serving. The usual path: rope-export export --hf MODEL_DIR -o model.onnx; "
+        "rope-export lower model.onnx -t onnx -o model-onnx.onnx; rope-export check model-onnx.onnx. "
+        "`rope-export COMMAND --help` says more.",
     )
     debug_help = f"show the full traceback of an error (also: {DEBUG_ENV}=1) and the libraries' own logged errors"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
+    wanted = COMMAND_MODULES if every else [m for m in COMMAND_MODULES if m in COMMANDS.get(command, ("", ()))[1]]
+    for name in wanted:
         importlib.import_module(name).register(subparsers)
+    for name, (summary, _modules) in COMMANDS.items():
+        if name not in subparsers.choices:
+            subparsers.add_parser(name, help=summary, add_help=False).set_defaults(func=_not_available)
+    listing = {action.dest: action for action in subparsers._choices_actions}
+    for name, (summary, _modules) in COMMANDS.items():
+        listing[name].help = summary
+    order = list(COMMANDS)  # the user's path first, whatever order the modules registered in
+    subparsers._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     for sub in subparsers.choices.values():  # `rope-export export --debug ...` works too
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     return parser
@@ -150,13 +189,16 @@ def one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     prefix = "rope-export"
-    # The handlers go in first: importing the commands (torch, onnx) takes seconds too.
+    # The handlers go in first: importing a command's modules (torch, onnx) takes seconds too.
     with signals_as_exceptions(), quiet_libraries(debug or "--debug" in (sys.argv if argv is None else argv)):
         try:
-            args = build_parser().parse_args(argv)
+            words = sys.argv[1:] if argv is None else argv
+            args = build_parser(command_in(words), every=False).parse_args(words)
             debug = debug or args.debug
             prefix = f"rope-export {args.command}"
             return int(args.func(args) or 0)
+        except SystemExit:  # --help, or argparse's own usage error: before user_errors() imports onnx
+            raise
         except Interrupted as exc:
             if debug:
                 raise

@@ -27,8 +27,9 @@ from rope_export import (
     onnx_files,
     onnx_op,  # noqa: F401  (registers the rope_export schema for onnxscript)
 )
+from rope_export.cli_options import EXTERNAL_DATA, add_output_arguments  # noqa: F401 - add_output_arguments: other commands' import
 from rope_export.fileio import check_writable
-from rope_export.onnx_files import EXTERNAL_DATA, EXTERNAL_DATA_HELP
+from rope_export.onnx_files import output_files  # noqa: F401 - re-exported for hf/cli, module_export, bench
 from rope_export.presets import Preset, load_preset
 from rope_export.torch_onnx import quiet_exporter as _quiet_exporter  # rope_export.hf imports it from here
 
@@ -372,20 +373,6 @@ def decomposed_export(preset: Preset, dtype: str = "fp32", decode: bool = False,
 
 
 # -- CLI ---------------------------------------------------------------------------------------
-
-def add_output_arguments(parser) -> None:
-    """``--external-data`` and ``--summary-json``, shared by export, lower and fuse."""
-    parser.add_argument("--external-data", choices=EXTERNAL_DATA, default="auto", help=EXTERNAL_DATA_HELP)
-    parser.add_argument("--summary-json", metavar="PATH", default=None,
-                        help="also write the summary (time and peak RSS per step, files and sizes) as JSON")
-
-
-def output_files(path: str | os.PathLike) -> list[tuple[Path, int]]:
-    """The model file and, if there is one, its external data, with their sizes."""
-    from rope_export.steps import file_sizes
-
-    return file_sizes([Path(path), onnx_files.data_path(path)])
-
 
 
 def register(subparsers) -> None:

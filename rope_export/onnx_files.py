@@ -32,19 +32,21 @@ import onnx
 import onnx_ir as ir
 
 from rope_export.bounds import format_bytes
+from rope_export.cli_options import EXTERNAL_DATA, EXTERNAL_DATA_HELP  # noqa: F401 - the options live there
 from rope_export.fileio import check_writable, commit_moves, staging_dir
 from rope_export.steps import detail, file_sizes
 
-EXTERNAL_DATA = ("auto", "single", "per-tensor", "never")
-EXTERNAL_DATA_HELP = ("where the weights go: auto (inside the .onnx up to 2 GB, else NAME.data), single "
-                      "(always one file NAME.data), per-tensor (a folder NAME.data/ with one file per tensor), "
-                      "never (inside the .onnx; refused past 2 GB)")
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # protobuf's 2 GB limit, with room for the graph itself
 INLINE_LIMIT = 1024  # bytes; onnx's own default threshold, above onnx_ir's 1000-byte shape-inference cut
 
 
 class OnnxFileError(ValueError):
     """A file that cannot be read or written as asked; the message names the file and the fix."""
+
+
+def output_files(path: str | os.PathLike) -> list[tuple[Path, int]]:
+    """The model file and, if there is one, its external data, with their sizes."""
+    return file_sizes([Path(path), data_path(path)])
 
 
 def data_path(path: str | os.PathLike) -> Path:

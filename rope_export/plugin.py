@@ -17,11 +17,12 @@ import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rope_export.contract import RotaryAttrs, RotaryContractError, RotaryShape
-from rope_export.reference import dtype_name
+
+if TYPE_CHECKING:  # torch is imported by the functions that take tensors: build-plugin and build run without it
+    import torch
 
 PLUGIN_DIR_ENV = "ROPE_EXPORT_PLUGIN_DIR"
 TWIN_LIBRARY = "librope_export_twin.so"
@@ -394,6 +395,8 @@ def _element_aligned(t: torch.Tensor) -> bool:
 def make_args(x, cos_cache, sin_cache, position_ids, out, *, interleaved=False, num_heads=0, rotary_embedding_dim=0,
               force_scalar=False, blocks=None) -> _TwinArgs:
     """The C ABI's description of one call (RopeTwinArgs) over contiguous tensors, on any device."""
+    from rope_export.reference import dtype_name
+
     interleaved, num_heads, rotary_embedding_dim = _attr_ints(interleaved, num_heads, rotary_embedding_dim)
     block_range = (0, -1) if blocks is None else tuple(_c_int(b, "a grid block index") for b in blocks)
     args = _TwinArgs()
@@ -474,6 +477,8 @@ def run(
     its element size (``torch.frombuffer(buf, offset=2)`` of float32) is copied to aligned memory
     first, the output included (the kernels, like a GPU, refuse such pointers).
     """
+    import torch
+
     tensors = [x, cos_cache, sin_cache] + ([position_ids] if position_ids is not None else [])
     for t in tensors:
         if t.device.type != "cpu":

@@ -12,12 +12,15 @@ import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rope_export import bounds
-from rope_export.modules import AttentionConfig, AttentionConfigError, RoPEAttention
-from rope_export.rope_types import RopeConfig
+
+if TYPE_CHECKING:  # imported where used: `rope-export presets --help` runs without torch
+    import torch
+
+    from rope_export.modules import AttentionConfig, RoPEAttention
+    from rope_export.rope_types import RopeConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,9 +43,14 @@ class Preset:
     rope: RopeConfig
 
     def build_block(
-        self, dtype: torch.dtype = torch.float32, seed: int = 0, cache_len: int | None = None
+        self, dtype: torch.dtype | None = None, seed: int = 0, cache_len: int | None = None
     ) -> RoPEAttention:
-        """The attention block with seeded random weights, in eval mode."""
+        """The attention block with seeded random weights (float32 unless ``dtype``), in eval mode."""
+        import torch
+
+        from rope_export.modules import RoPEAttention
+
+        dtype = torch.float32 if dtype is None else dtype
         torch.manual_seed(bounds.check_seed(seed))  # --seed 2**80 overflowed inside torch
         block = RoPEAttention(self.attention, self.rope, cache_len=cache_len)
         return block.to(dtype).eval()
@@ -67,6 +75,9 @@ class Preset:
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "<dict>") -> Preset:
+        from rope_export.modules import AttentionConfig, AttentionConfigError
+        from rope_export.rope_types import RopeConfig
+
         def fail(field: str, problem: str):
             raise PresetError(f"{origin}: field '{field}': {problem}")
 

@@ -126,8 +126,8 @@ def _presets_raises(monkeypatch, error: BaseException) -> None:
 
     parser = cli.build_parser
 
-    def patched():
-        p = parser()
+    def patched(*args, **kwargs):
+        p = parser(*args, **kwargs)
         for action in p._subparsers._group_actions:
             action.choices["presets"].set_defaults(func=fail)
         return p

@@ -9,11 +9,24 @@ Each graph rule is a class with ``pattern``, ``check`` and ``rewrite`` in its ow
 (``rope-export lower`` / ``rope-export fuse``) is ``cli.py``.
 """
 
-from rope_export.passes._fusing import FusionReport, SiteRecord
-from rope_export.passes._lowering import LoweringLog
-from rope_export.passes._model import PassError, check_model, load_ir, load_model, save_model
-from rope_export.passes.fusion import fuse
-from rope_export.passes.lowering import TARGETS, lower
+import importlib
+
+# Imported on first use (PEP 562): onnxscript's rewriter takes a second to import, and
+# `rope-export lower --help` only needs passes/targets.py.
+_EXPORTS = {
+    "FusionReport": "_fusing", "SiteRecord": "_fusing", "LoweringLog": "_lowering",
+    "PassError": "_model", "check_model": "_model", "load_ir": "_model", "load_model": "_model",
+    "save_model": "_model", "fuse": "fusion", "TARGETS": "lowering", "lower": "lowering",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"rope_export.passes.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rope_export.passes' has no attribute {name!r}")
+
 
 __all__ = [
     "TARGETS",

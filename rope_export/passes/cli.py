@@ -6,17 +6,17 @@ import sys
 
 
 def register(subparsers) -> None:
-    from rope_export.export import add_output_arguments
-    from rope_export.passes.lowering import TARGET_HELP, TARGETS
+    from rope_export.cli_options import add_output_arguments
+    from rope_export.passes.targets import TARGET_HELP
 
     lower = subparsers.add_parser(
         "lower",
         help="lower rope_export::RotaryEmbedding nodes to a runtime's form",
         description="Replace every rope_export::RotaryEmbedding node of IN by the target's form and write OUT. "
-        + " ".join(f"{name}: {TARGET_HELP[name]}." for name in TARGETS),
+        + " ".join(f"{name}: {help}." for name, help in TARGET_HELP.items()),
     )
     lower.add_argument("input", metavar="IN.onnx")
-    lower.add_argument("--target", "-t", required=True, choices=list(TARGETS), help="the runtime's form")
+    lower.add_argument("--target", "-t", required=True, choices=list(TARGET_HELP), help="the runtime's form")
     lower.add_argument("--output", "-o", required=True, metavar="OUT.onnx")
     lower.add_argument(
         "--trust-positions",
@@ -66,8 +66,8 @@ def _run_pass(args, title: str, apply) -> tuple:
     missing or read-only folder is reported before any work."""
     from rich.console import Console
 
-    from rope_export.export import output_files
     from rope_export.fileio import check_writable
+    from rope_export.onnx_files import output_files
     from rope_export.passes import PassError, load_ir, save_model
     from rope_export.steps import cli_steps
 

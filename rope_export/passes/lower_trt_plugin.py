@@ -28,9 +28,9 @@ from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, read_site
+from rope_export.passes.targets import PLUGIN_NAME
 
 TRT_PLUGIN_DOMAIN = "trt.plugins"
-PLUGIN_NAME = "RopeExportRotaryEmbedding"
 LEGACY_PLUGIN_NAME = "RotaryEmbedding"  # before the rename; TensorRT >= 10.15 claims it
 PLUGIN_OP_TYPES = (PLUGIN_NAME, LEGACY_PLUGIN_NAME)
 PLUGIN_NAMESPACE = "rope_export"

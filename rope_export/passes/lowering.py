@@ -21,7 +21,7 @@ from rope_export.passes._model import (
 from rope_export.passes.lower_decomposed import LowerToDecomposed
 from rope_export.passes.lower_onnx import LowerToOnnx
 from rope_export.passes.lower_ort import LowerToOrt
-from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, LowerToTrtPlugin, raise_trt_plugin_nodes
+from rope_export.passes.lower_trt_plugin import LowerToTrtPlugin, raise_trt_plugin_nodes
 
 TARGETS: dict[str, type[LowerRotary]] = {
     "trt-plugin": LowerToTrtPlugin,
@@ -30,12 +30,6 @@ TARGETS: dict[str, type[LowerRotary]] = {
     "decomposed": LowerToDecomposed,
 }
 
-TARGET_HELP = {
-    "trt-plugin": f"{PLUGIN_NAME} for TensorRT with the rope_export plugin library loaded",
-    "onnx": "ai.onnx RotaryEmbedding-23 (onnxruntime CPU/CUDA, TensorRT >= 10.15, onnx.reference)",
-    "ort": "com.microsoft RotaryEmbedding (onnxruntime CPU/CUDA/DML/WebGPU)",
-    "decomposed": "primitive ops only (runs anywhere)",
-}
 
 
 def _custom_nodes(model: ir.Model) -> list[ir.Node]:

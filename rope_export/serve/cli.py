@@ -20,7 +20,7 @@ GENAI_DESCRIPTION = (
 
 
 def _add_genai(packagers) -> None:
-    from rope_export.export import add_output_arguments
+    from rope_export.cli_options import add_output_arguments
     from rope_export.serve.genai import TARGETS
 
     parser = packagers.add_parser("genai", help="an onnxruntime-genai folder (model.onnx, genai_config.json, "

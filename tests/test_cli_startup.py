@@ -1,0 +1,74 @@
+"""What `rope-export --help` and `rope-export COMMAND --help` import: values, not timings (the timings
+are `rope-export bench --sections cli`). Each case runs in a fresh interpreter, since this one has torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rope_export import cli
+
+HEAVY = ("torch", "transformers", "onnxruntime", "onnxscript", "polygraphy", "matplotlib")
+PROBE = """
+import json, sys
+from rope_export import cli
+try:
+    cli.main({argv!r})
+except SystemExit:
+    pass
+print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
+"""
+
+
+def heavy_imports(argv: list[str]) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, heavy=HEAVY + ("onnx", "onnx_ir"))],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_top_level_help_imports_no_library():
+    assert heavy_imports(["--help"]) == []
+
+
+@pytest.mark.parametrize("command", ["lower", "fuse", "presets", "build-plugin", "package", "bench"])
+def test_a_command_help_imports_no_heavy_library(command):
+    # onnx and onnx_ir may come with a command's parser; torch, transformers, onnxruntime, onnxscript not
+    assert not set(heavy_imports([command, "--help"])) & set(HEAVY)
+
+
+def test_top_level_help_lists_every_command_and_the_users_path(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert f"    {name}" in out, name
+    assert "--hf" in out and "--module" in out
+
+
+def test_every_command_is_built_by_its_modules():
+    # the whole parser (every module imported) has exactly the listed commands, each with a real parser
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    assert set(subparsers.choices) == set(cli.COMMANDS)
+    for name, sub in subparsers.choices.items():
+        assert sub.get_default("func") is not cli._not_available, name
+        lone = cli.build_parser(name, every=False)  # what a run of that command builds
+        lone_sub = next(a for a in lone._actions if a.dest == "command").choices[name]
+        assert lone_sub.format_help() == sub.format_help(), name  # every option, --hf and --module included
+        assert lone_sub.get_default("func") is not cli._not_available, name
+
+
+def test_command_in_skips_options():
+    assert cli.command_in(["--debug", "lower", "x.onnx", "-t", "onnx"]) == "lower"
+    assert cli.command_in(["--help"]) is None
+
+
+def test_lowering_targets_and_their_help_list_the_same_names():
+    from rope_export.passes.lowering import TARGETS
+    from rope_export.passes.targets import TARGET_HELP
+
+    assert list(TARGETS) == list(TARGET_HELP)
