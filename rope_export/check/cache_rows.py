@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rope_export.check.compare import PositionErrors, describe_ranges, row_ranges
+from rope_export.check.compare import PositionErrors, describe_ranges, limit_ratio, row_ranges
 from rope_export.check.graph import CONTRACT_KINDS, RotarySlice, tables_by_shape
 from rope_export.check.inputs import InputPlan, Sizes, make_feeds
 from rope_export.check.model_file import ModelFile
@@ -426,9 +426,10 @@ def _run_sweep(sl, golden: _Golden, chunks, runners: dict, results: dict[str, Sw
                     continue
                 err = np.abs(np.nan_to_num(got - want, nan=np.inf))
                 token_err = err.max(axis=1)
-                over = (err > tol.atol + tol.rtol * np.abs(want) + allowed_slack[:, None]).any(axis=1)
+                token_ratio = limit_ratio(got, want, tol, allowed_slack[:, None]).max(axis=1)
+                over = token_ratio > 1
                 bad[name] += [int(p) for p in positions[over]]
-                r.position_error.add(positions, token_err)
+                r.position_error.add(positions, token_err, token_ratio)
                 r.max_abs = max(r.max_abs or 0.0, float(token_err.max(initial=0.0)))
                 inside = (positions >= 0) & (positions < limit)
                 fresh = np.unique(positions[inside])  # runs of a static length overlap at the end

@@ -61,6 +61,29 @@ def token_errors(actual, expected) -> np.ndarray | None:
     return err.reshape(a.shape[0], a.shape[1], -1).max(axis=-1)
 
 
+def limit_ratio(actual, expected, tol: Tolerance, allowance=0.0) -> np.ndarray:
+    """|a - b| over the limit applied to it, ``atol + rtol * |b| + allowance`` (numpy.allclose's rule plus a
+    position allowance, broadcast like ``b``): a value passes when its ratio is at most 1. A NaN difference
+    counts as inf; inf against an inf limit (a token passed through, NaN expected) as 0, as the comparison
+    ``err > limit`` judged it. The sweep decides with it and the error plot draws it, so the two agree."""
+    a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    err = np.abs(np.nan_to_num(a - b, nan=np.inf))
+    with np.errstate(invalid="ignore"):
+        ratio = err / (tol.atol + tol.rtol * np.abs(b) + allowance)
+    return np.nan_to_num(ratio, nan=0.0, posinf=np.inf)
+
+
+def token_limit_ratios(actual, expected, tol: Tolerance) -> np.ndarray | None:
+    """The worst ``limit_ratio`` per token of a [B, S, ...] output, with ``tol`` at the output's scale as
+    ``compare_output`` applies it (None when shapes differ or it has no token axes)."""
+    a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if a.shape != b.shape or a.ndim < 2:
+        return None
+    finite = np.isfinite(a) & np.isfinite(b)  # inf/NaN are judged apart (compare_output's specials)
+    ratio = limit_ratio(np.where(finite, a, 0.0), np.where(finite, b, 0.0), tol.at_scale_of(b))
+    return ratio.reshape(a.shape[0], a.shape[1], -1).max(axis=-1)
+
+
 def bucket_of(position: int) -> int:
     """-1 for negative positions, 0 for 0, k for [2^(k-1), 2^k)."""
     return -1 if position < 0 else int(position).bit_length()
@@ -79,14 +102,17 @@ def bucket_label(bucket: int) -> str:
 
 @dataclass
 class PositionErrors:
-    """Max error per power-of-two bucket of positions (and how many tokens each bucket saw)."""
+    """Max error per power-of-two bucket of positions (and how many tokens each bucket saw), and, where the
+    caller gives it, the worst error as a fraction of the limit applied to it (``limit_ratio``: <= 1 passes)."""
 
     worst: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)
+    ratio: dict[int, float] = field(default_factory=dict)
 
-    def add(self, positions, errors) -> None:
+    def add(self, positions, errors, ratios=None) -> None:
         positions = np.asarray(positions).reshape(-1)
         errors = np.asarray(errors, np.float64).reshape(-1)
+        ratios = None if ratios is None else np.asarray(ratios, np.float64).reshape(-1)
         buckets = np.where(positions < 0, -1, np.frexp(np.maximum(positions, 0).astype(np.float64))[1])
         buckets = np.where(positions == 0, 0, buckets).astype(np.int64)
         for bucket in np.unique(buckets):
@@ -94,13 +120,16 @@ class PositionErrors:
             b = int(bucket)
             self.worst[b] = max(self.worst.get(b, 0.0), float(errors[inside].max()))
             self.count[b] = self.count.get(b, 0) + int(inside.sum())
+            if ratios is not None:
+                self.ratio[b] = max(self.ratio.get(b, 0.0), float(ratios[inside].max()))
 
     def buckets(self) -> list[dict]:
         out = []
         for b in sorted(self.worst):
             span = bucket_range(b)
             out.append({"from": None if span is None else span[0], "to": None if span is None else span[1],
-                        "label": bucket_label(b), "tokens": self.count[b], "max_abs": self.worst[b]})
+                        "label": bucket_label(b), "tokens": self.count[b], "max_abs": self.worst[b],
+                        **({"of_limit": self.ratio[b]} if b in self.ratio else {})})
         return out
 
 

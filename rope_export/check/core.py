@@ -13,7 +13,7 @@ import onnx
 
 from rope_export.bounds import format_bytes
 from rope_export.check import cache_rows
-from rope_export.check.compare import compare_output, token_errors
+from rope_export.check.compare import compare_output, token_errors, token_limit_ratios
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
 from rope_export.check.layer_rope import slice_ropes
@@ -267,7 +267,8 @@ def _compare(name, note, latency, cases, actual, expected, outputs, tol) -> Runn
             for output in outputs:  # the first output with one row per token: error by position
                 errors = token_errors(got.get(output, np.zeros(0)), want[output])
                 if errors is not None and errors.shape == case.positions.shape:
-                    report.position_error.add(case.positions, errors)
+                    ratios = token_limit_ratios(got[output], want[output], tol)
+                    report.position_error.add(case.positions, errors, ratios)
                     break
     if report.failures():
         report.status = "FAIL"

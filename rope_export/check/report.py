@@ -1,8 +1,9 @@
 """The check report: what was compared with what, per runner and case, as JSON, Markdown, a PNG and a table.
 
-The PNG plots the max error per power-of-two bucket of positions, one series per runner: the whole
-model on the stress cases (top) and each rotary node alone over every position (bottom), so it
-stays readable whether positions span 64 rows or 131072.
+The PNG plots the worst error per power-of-two bucket of positions, one series per runner, in units of
+the limit that decided pass or fail (so the drawn line at 1 is the rule applied, position allowance
+included, and a point's colour is its verdict): the whole model on the stress cases (top) and each
+rotary node alone over every position (bottom), readable whether positions span 64 rows or 131072.
 """
 
 from __future__ import annotations
@@ -167,38 +168,83 @@ def report_markdown(report: CheckReport) -> str:
 
 # -- the plot ----------------------------------------------------------------------------------
 
+FLOOR = 1e-7  # log axis: an exact 0 is drawn here, in units of the limit
+
+
+@dataclass
+class PlotSeries:
+    runner: str
+    label: str
+    xs: list[int]
+    ys: list[float]  # worst error per bucket over the limit applied to it (1 = the limit)
+    passed: list[bool]  # by the same rule: ys <= 1
+
+
+@dataclass
+class PlotPanel:
+    title: str
+    limit_label: str
+    buckets: list[int]
+    series: list[PlotSeries]
+    limit: float = 1.0
+
+
+def error_plot_panels(report: CheckReport) -> list[PlotPanel]:
+    """What the error plot draws, as data: per panel and runner, each position bucket's worst error in units of
+    the limit that decided it (atol + rtol * |expected|, at the output's scale for the whole model, plus the
+    position allowance for the rotary nodes alone), so a point under the line passed and one over it failed."""
+    sweep_tol = report.sweep_tolerance or report.tolerance
+    panels = [
+        ("whole model on the stress cases", report.tolerance,
+         f"limit: {report.tolerance.atol:g} x max(1, output RMS) + {report.tolerance.rtol:g} x |{report.against}|",
+         [(r, r.position_error, r.status) for r in report.runners]),
+        ("each rotary node alone, every position", sweep_tol,
+         f"limit: {sweep_tol.atol:g} + {sweep_tol.rtol:g} x |expected| + allowance for the position",
+         [(r, r.sweep.position_error, r.sweep.status) for r in report.runners if r.sweep is not None]),
+    ]
+    panels = [(t, tol, label, [s for s in series if s[1].worst]) for t, tol, label, series in panels]
+    out = []
+    for title, tol, limit_label, series in [p for p in panels if p[3]] or panels[:1]:
+        buckets = sorted({b for _, e, _ in series for b in e.worst})
+        index = {b: i for i, b in enumerate(buckets)}
+        drawn = []
+        for r, errors, status in series:
+            order = sorted(errors.worst)
+            # recorded by the rule that decided; without it (an old report) the plain atol is all there is
+            ratios = [errors.ratio[b] if b in errors.ratio else errors.worst[b] / tol.atol for b in order]
+            drawn.append(PlotSeries(r.runner, f"{r.runner} ({status})", [index[b] for b in order],
+                                    [max(v, FLOOR) for v in ratios], [v <= 1.0 for v in ratios]))
+        out.append(PlotPanel(title, limit_label, buckets, drawn))
+    return out
+
+
 def plot_error_vs_position(report: CheckReport, path: str | os.PathLike) -> bool:
-    """A PNG of max abs error per position bucket per runner; False when matplotlib is missing."""
+    """A PNG of each runner's worst error per position bucket over the limit applied to it; False when
+    matplotlib is missing. Points are green at or under the limit (pass) and red over it (FAIL)."""
     plt = pyplot_or_none()
     if plt is None:
         return False
-    sweep_tol = report.sweep_tolerance or report.tolerance
-    panels = [("whole model on the stress cases", report.tolerance, f"max |runner - {report.against}|",
-               [(r, r.position_error) for r in report.runners]),
-              ("each rotary node alone, every position", sweep_tol, "max |runner - expected rotation|",
-               [(r, r.sweep.position_error) for r in report.runners if r.sweep is not None])]
-    panels = [(t, tol, label, [(r, e) for r, e in series if e.worst]) for t, tol, label, series in panels]
-    panels = [p for p in panels if p[3]] or panels[:1]
+    panels = error_plot_panels(report)
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.6 * len(panels)), dpi=110, squeeze=False)
     styles = ["o-", "s--", "^-.", "D:", "v-"]  # runners that agree exactly stay visible on top of each other
-    for ax, (title, tol, ylabel, series) in zip(axes[:, 0], panels, strict=True):
-        buckets = sorted({b for _, e in series for b in e.worst})
-        index = {b: i for i, b in enumerate(buckets)}
-        for k, (r, errors) in enumerate(series):
-            xs = [index[b] for b in sorted(errors.worst)]
-            ys = [max(errors.worst[b], 1e-12) for b in sorted(errors.worst)]  # log axis: exact zeros at the floor
-            ax.plot(xs, ys, styles[k % len(styles)], linewidth=1.2, markersize=9 - 1.5 * k, alpha=0.85,
-                    label=f"{r.runner} ({r.status if 'whole' in title else r.sweep.status})")
-        ax.axhline(tol.atol, color="gray", linestyle="--", linewidth=1, label=f"atol {tol.atol:g}")
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
+        for k, s in enumerate(panel.series):
+            line, = ax.plot(s.xs, s.ys, styles[k % len(styles)], linewidth=1.2, markersize=9 - 1.5 * k, alpha=0.85,
+                            markerfacecolor="none", label=s.label)
+            colours = ["tab:green" if ok else "tab:red" for ok in s.passed]
+            ax.scatter(s.xs, s.ys, c=colours, s=(7 - k) ** 2, zorder=3)
+        ax.axhline(panel.limit, color="black", linestyle="--", linewidth=1, label=panel.limit_label)
+        ax.scatter([], [], c="tab:green", label="pass: at or under the limit")
+        ax.scatter([], [], c="tab:red", label="FAIL: over the limit")
         ax.set_yscale("log")
-        ax.set_xticks(range(len(buckets)))
-        ax.set_xticklabels([bucket_label(b) for b in buckets], rotation=45, ha="right", fontsize=7)
+        ax.set_xticks(range(len(panel.buckets)))
+        ax.set_xticklabels([bucket_label(b) for b in panel.buckets], rotation=45, ha="right", fontsize=7)
         ax.set_xlabel("position (power-of-two buckets)")
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.set_title(f"{title} ({report.dtype}); exact 0 drawn at 1e-12", fontsize=9)
+        ax.set_ylabel("worst error / limit applied", fontsize=8)
+        ax.set_title(f"{panel.title} ({report.dtype}); exact 0 drawn at {FLOOR:g}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle(f"{report.model}: error against position", fontsize=10)
+    fig.suptitle(f"{report.model}: error against position, in units of the limit", fontsize=10)
     fig.tight_layout()
     save_png(fig, path)
     return True
