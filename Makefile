@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # TensorRT: the headers the plugin libraries are built against (include/ of a fetched NVIDIA/TensorRT
-# checkout, outside this repository, see the README; empty: no TensorRT plugins, their tests skip), and TensorRT's
+# checkout, outside this repository, see docs/tensorrt.md; empty: no TensorRT plugins, their tests skip), and TensorRT's
 # lean runtime from pip (runs without a GPU) for the tests that load the libraries into it: 11.x into
 # the venv (extra trt-lean), 10.x into its own folder (same module name).
 TENSORRT_INCLUDE_DIR ?=
@@ -100,7 +100,7 @@ test-latest:
 # The lower bounds pyproject.toml declares (requirements/oldest.txt, the oldest versions the suite was
 # shown to pass on), in their own virtualenv, without the serve extra (onnxruntime-genai needs onnxruntime
 # >= 1.31; its tests skip); the suite without the zoo, whose records hold one
-# transformers version's results (the README's version table has the zoo per version).
+# transformers version's results (docs/versions.md's table has the zoo per version).
 OLDEST_VENV ?= .venv-oldest
 test-oldest:
 	rm -rf $(OLDEST_VENV) && $(PYTHON) -m venv $(OLDEST_VENV)
@@ -109,7 +109,7 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m rope_export.cli build-plugin
 	ROPE_EXPORT_NO_LOCK=1 $(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/hf/test_hf_zoo.py
 
-# Re-record every zoo type (tests/hf/hf_zoo_results.json) and re-render the README's zoo table, and the
+# Re-record every zoo type (tests/hf/hf_zoo_results.json) and re-render docs/transformers.md's zoo table, and the
 # locked transformers' row of the version table.
 hf-zoo: setup plugin
 	rm -f build/hf_zoo.jsonl && mkdir -p build
@@ -117,7 +117,7 @@ hf-zoo: setup plugin
 	$(PY) tests/hf/hf_zoo_table.py build/hf_zoo.jsonl
 	$(PY) tests/hf/hf_zoo_versions.py build/hf_zoo.jsonl "$$($(PY) -c 'import transformers; print(transformers.__version__)')" whole
 
-# The quick zoo (make test's third of it) on another transformers release, for the README's version
+# The quick zoo (make test's third of it) on another transformers release, for docs/versions.md's version
 # table: make hf-zoo-version TRANSFORMERS=5.0.0. No lock (pip picks what that release needs), own venv.
 TRANSFORMERS ?=
 TF_VENV ?= .venv-transformers

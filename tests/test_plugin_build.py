@@ -124,7 +124,7 @@ def test_plugin_libraries_need_neither_libnvinfer_nor_a_shared_cuda_runtime():
     dirs = _plugin_dirs(built)
     if not dirs:
         pytest.skip("no TensorRT plugin libraries in this build: set TENSORRT_INCLUDE_DIR to TensorRT's include/ "
-                    "(NVIDIA/TensorRT's include/ at tag v11.1, extracted outside the repository: README, "
+                    "(NVIDIA/TensorRT's include/ at tag v11.1, extracted outside the repository: docs/tensorrt.md, "
                     "'TensorRT headers') and run `make plugin`")
     for d in dirs:
         static, vc = d / TRT_PLUGIN_LIBRARY, d / TRT_VC_PLUGIN_LIBRARY

@@ -98,8 +98,8 @@ def _setups() -> tuple[list[Setup], str]:
         return setups, ""
     if not builds and not runtimes:
         return [], ("TensorRT's headers and its lean runtime are both missing: set TENSORRT_INCLUDE_DIR (e.g. "
-                    "NVIDIA/TensorRT's include/ at tag v11.1, extracted outside the repository: README, 'TensorRT "
-                    "headers') and run `make test`, which builds the plugin "
+                    "NVIDIA/TensorRT's include/ at tag v11.1, extracted outside the repository: docs/tensorrt.md, "
+                    "'TensorRT headers') and run `make test`, which builds the plugin "
                     "libraries and installs tensorrt-lean-cu13")
     if not builds:
         return [], ("the TensorRT plugin libraries are not built: set TENSORRT_INCLUDE_DIR to TensorRT's include/ "

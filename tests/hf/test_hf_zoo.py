@@ -11,7 +11,7 @@ is ``xfail(strict=True)`` with the recorded reason, so a fix shows up as an XPAS
 ``make test`` runs ``FAST``, a third of the zoo (one type of each kind: dense, MoE, MLA,
 sliding/NoPE, per-layer geometry, interleaved, partial, DSA, hybrids; every refusal; then the
 quickest); the others are marked ``slow`` (``make test-slow``).
-``make hf-zoo`` re-records every type and re-renders the README table.
+``make hf-zoo`` re-records every type and re-renders the table in docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_zoo  # noqa: E402
 from hf_zoo_configs import NOT_IN_ZOO, ZOO_TYPES  # noqa: E402
-from hf_zoo_table import README, load_results, readme_table, render  # noqa: E402
+from hf_zoo_table import DOC, doc_table, load_results, render  # noqa: E402
 
 RESULTS = load_results()
 
@@ -85,7 +85,7 @@ def test_zoo_type_exports_by_default_as_recorded(model_type):
     assert result.rotary_nodes == result.rotations > 0
 
 
-# -- the zoo's coverage and its README table ---------------------------------------------------
+# -- the zoo's coverage and its table in docs/transformers.md ---------------------------------------------------
 
 def _rope_causal_lm_types() -> set[str]:
     """Causal-LM model types of the installed transformers whose modeling file has a rotary function or class."""
@@ -109,7 +109,7 @@ def test_the_zoo_and_its_exclusions_cover_every_rope_causal_lm_type():
     assert len(ZOO_TYPES) >= 60
 
 
-def test_every_zoo_type_is_recorded_and_the_readme_table_is_rendered_from_the_records():
+def test_every_zoo_type_is_recorded_and_the_docs_table_is_rendered_from_the_records():
     assert sorted(RESULTS) == sorted(ZOO_TYPES), "run make hf-zoo to record the zoo"
-    assert readme_table(Path(README).read_text()) == render(RESULTS), \
-        "the README's zoo table is not the one rendered from tests/hf/hf_zoo_results.json: run make hf-zoo"
+    assert doc_table(Path(DOC).read_text()) == render(RESULTS), \
+        "docs/transformers.md's zoo table is not the one rendered from tests/hf/hf_zoo_results.json: run make hf-zoo"

@@ -1,18 +1,18 @@
-"""The README's transformers version table is the one rendered from what the zoo recorded per version."""
+"""docs/versions.md's transformers version table is the one rendered from what the zoo recorded per version."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hf_zoo_versions import DETAILS, README, counts, load, readme_table, render_details, render_table
+from hf_zoo_versions import DETAILS, DOC, counts, doc_table, load, render_details, render_table
 
 from rope_export.hf import versions
 
 
 def test_the_version_table_and_its_details_are_rendered_from_the_records():
     results = load()
-    assert readme_table(Path(README).read_text()) == render_table(results), \
-        "the README's version table is not the one rendered from tests/hf/hf_zoo_versions.json"
+    assert doc_table(Path(DOC).read_text()) == render_table(results), \
+        "docs/versions.md's version table is not the one rendered from tests/hf/hf_zoo_versions.json"
     assert Path(DETAILS).read_text() == render_details(results)
 
 
