@@ -72,3 +72,17 @@ def test_lowering_targets_and_their_help_list_the_same_names():
     from rope_export.passes.targets import TARGET_HELP
 
     assert list(TARGETS) == list(TARGET_HELP)
+
+
+def test_the_benchmark_times_every_commands_help_and_lower_fuse_against_their_targets(tmp_path):
+    from rope_export.bench import cli_startup
+
+    cases = {name: target for name, _argv, target in cli_startup._cases(tmp_path)}
+    assert cases["rope-export --help"] == cli_startup.HELP_TARGET_S == 0.5
+    for command in cli.COMMANDS:
+        assert cases[f"rope-export {command} --help"] == 0.5, command
+    lowered = [name for name in cases if name.startswith("rope-export lower -t")]
+    assert len(lowered) == 4 and all(cases[n] == cli_startup.RUN_TARGET_S == 1.5 for n in lowered)
+    section = {"status": "measured", "rounds": 1, "rows": [
+        {"command": "rope-export --help", "median_s": 0.1, "min_s": 0.1, "target_s": 0.5, "met": True}]}
+    assert "| `rope-export --help` | 0.10 | 0.10 | 0.5 | yes |" in cli_startup.markdown(section)

@@ -14,7 +14,9 @@ comparison a ratio of two runners measured in the same rounds (``rope_export.ben
 5. ``kernels``: ptxas registers/spills/shared memory and 128-bit global accesses of every kernel;
 6. ``scale`` (only when asked for, ``--sections scale``): a real-size transformers model (1B-class,
    8B-class with ``--scale-sizes 8b``) exported, lowered, fused and checked, each step in its own process,
-   wall time and peak RSS beside a plain ``torch.onnx.export`` (``rope_export.bench.scale``).
+   wall time and peak RSS beside a plain ``torch.onnx.export`` (``rope_export.bench.scale``);
+7. ``cli`` (only when asked for, ``--sections cli``): how long ``rope-export --help``, each command's
+   ``--help`` and ``lower``/``fuse`` of a small file take, a fresh process each (``rope_export.bench.cli_startup``).
 
 Writes ``bench.json``, ``bench.md`` and ``bench.png`` (atomically) into ``--out`` (default
 ``out/bench``). ``--quick`` fits in two minutes on 2 cores; ``--smoke`` uses toy shapes to check
@@ -33,10 +35,10 @@ from pathlib import Path
 from rope_export.bench.block import BlockCase
 from rope_export.bench.rope_alone import RopeCase
 
-SECTIONS = ("rope", "block", "twin", "gpu", "kernels", "scale")
-DEFAULT_SECTIONS = ("rope", "block", "twin", "gpu", "kernels")  # scale takes minutes and GBs: only when asked for
+SECTIONS = ("rope", "block", "twin", "gpu", "kernels", "scale", "cli")
+DEFAULT_SECTIONS = ("rope", "block", "twin", "gpu", "kernels")  # scale (minutes, GBs) and cli: only when asked for
 SECTION_KEYS = {"rope": "rope_alone", "block": "block", "twin": "twin", "gpu": "gpu", "kernels": "kernels",
-                "scale": "scale"}
+                "scale": "scale", "cli": "cli"}
 DEFAULT_OUT = "out/bench"
 SCHEMA = "rope-export-bench/1"
 DESCRIPTION = (
@@ -118,7 +120,7 @@ def _guarded(name: str, fn: Callable[[], dict], say: Callable[[str], None]) -> d
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
     """Run the configured sections; returns the JSON-ready results (``report.write_outputs`` saves them)."""
-    from rope_export.bench import block, gpu, kernels, report, rope_alone, scale, twin
+    from rope_export.bench import block, cli_startup, gpu, kernels, report, rope_alone, scale, twin
     from rope_export.bench.timing import machine_info
 
     say = progress or (lambda message: None)
@@ -150,6 +152,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "scale": lambda: scale.run_section(config.scale_sizes, Path(config.scale_dir or "out/bench/scale-work"),
                                            reps=config.scale_reps, keep=config.scale_keep, check=config.scale_check,
                                            say=say),
+        "cli": lambda: cli_startup.run_section(config.mode, say),
     }
     for name in SECTIONS:
         if name in config.sections:
@@ -176,7 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=None,
                         help="interleaved rounds of every comparison (default by mode)")
     parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all but scale)")
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default all but scale and cli)")
     scale = parser.add_argument_group("scale section (--sections scale)")
     scale.add_argument("--scale-sizes", default="1b",
                        help="comma-separated model sizes: 1b (Llama-3.2-1B shape), 8b (Llama-3.1-8B shape, 16 GB of "

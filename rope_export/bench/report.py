@@ -200,6 +200,14 @@ def print_report(results: dict, console) -> None:
         console.print(f"[yellow]6. scale section {scale.get('status')}[/yellow]: {scale.get('reason')}",
                       highlight=False)
 
+    cli = sections.get("cli")
+    if cli and cli.get("status") == "measured":
+        from rope_export.bench.cli_startup import print_section as print_cli
+
+        print_cli(cli, console)
+    elif cli:
+        console.print(f"[yellow]7. cli section {cli.get('status')}[/yellow]: {cli.get('reason')}", highlight=False)
+
     t = Table(title="Goals (reported, not asserted)")
     for col in ("goal", "where", "measured", "met"):
         t.add_column(col)
@@ -334,6 +342,10 @@ def report_markdown(results: dict) -> str:
         from rope_export.bench.scale_report import markdown
 
         lines += markdown(s["scale"])
+    if s.get("cli", {}).get("status") == "measured":
+        from rope_export.bench.cli_startup import markdown as cli_markdown
+
+        lines += cli_markdown(s["cli"])
     lines += ["## Goals (reported, not asserted)", "", "| goal | where | measured | met |", "|---|---|---|---|"]
     for g in results["goals"]:
         lines.append(f"| {g['goal']} | {g['where']} | {_goal_measured(g)} | {'yes' if g['met'] else 'no'} |")
@@ -405,7 +417,7 @@ def write_outputs(results: dict, out_dir: str | os.PathLike, plot_path: str | os
     atomic_write_text(written[0], json.dumps(results, indent=2) + "\n")
     atomic_write_text(written[1], report_markdown(results))
     png = Path(plot_path) if plot_path else out / "bench.png"
-    if set(results["sections"]) - {"scale"} and plot(results, png):
+    if set(results["sections"]) - {"scale", "cli"} and plot(results, png):
         written.append(png)
     if "sizes" in results["sections"].get("scale", {}):
         from rope_export.bench.scale_report import plot as plot_scale
