@@ -95,12 +95,12 @@ def _transformers_llama(out: Path, dtype: str, rows: list, step) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from rope_export import plugin_build
+    from rope_export.tables import console as make_console
+    from rope_export.tables import print_table
+    from rope_export.tables import table as make_table
 
-    console = Console()
+    console = make_console()
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,17 +119,17 @@ def run(args) -> int:
         _validate(preset_name, artefacts, rows, step)
         if not args.no_transformers:
             _transformers_llama(out, args.dtype, rows, step)
-    table = Table(title=f"rope-export demo ({args.dtype}): every artefact against its reference "
-                        "(PyTorch for the preset, transformers for Llama)")
-    for column in ("model", "target", "runtime", "max abs error", "result", "median latency"):
-        table.add_column(column)
+    table = make_table(f"rope-export demo ({args.dtype}): every artefact against its reference "
+                       "(PyTorch for the preset, transformers for Llama)",
+                       ("model", "target", "runtime", "max abs error", "result", "median latency"),
+                       keep=("model", "target", "runtime"))
     notes = []
     for model_name, target, runtime, error, status, latency, reason, _ in rows:
         style = {"pass": "green", "FAIL": "bold red", "skipped": "yellow"}[status]
         table.add_row(model_name, target, runtime, error, f"[{style}]{status}[/{style}]", latency)
         if reason:
             notes.append(f"  {model_name} {target} / {runtime}: {reason}")
-    console.print(table)
+    print_table(console, table)
     for note in notes:
         console.print(note, markup=False, highlight=False, soft_wrap=True)
     failed = [f"{m} {t}/{r} (against {against})" for m, t, r, _, status, _, _, against in rows if status == "FAIL"]

@@ -157,17 +157,17 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from rope_export.tables import console as make_console
+    from rope_export.tables import print_table
+    from rope_export.tables import table as make_table
 
-    console = Console()
+    console = make_console()
     if args.name:
         preset = load_preset(args.name)
         console.print_json(data=preset.to_dict())
         return 0
-    table = Table(title="rope-export presets")
-    for column in ("name", "family", "heads (q/kv)", "head_dim", "rotary dim", "rope type", "layout", "max pos"):
-        table.add_column(column)
+    table = make_table("rope-export presets", ("name", "family", "heads (q/kv)", "head dim", "rotary dim",
+                                                "rope type", "layout", "max pos"), keep=("name",))
     for name in preset_names():
         p = load_preset(name)
         table.add_row(
@@ -180,5 +180,5 @@ def _run(args) -> int:
             "interleaved" if p.rope.interleaved else "rotate-half",
             str(p.rope.max_position_embeddings),
         )
-    console.print(table)
+    print_table(console, table)
     return 0

@@ -85,13 +85,12 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from rich.console import Console
-
     from rope_export.check.core import check
     from rope_export.check.report import print_report, write_reports
     from rope_export.steps import cli_steps
+    from rope_export.tables import console as make_console
 
-    console = Console()
+    console = make_console()
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
     module = _load_module(args.module) if args.module else {}
     with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:

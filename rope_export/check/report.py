@@ -262,13 +262,13 @@ def write_reports(report: CheckReport, directory: str | os.PathLike) -> list[Pat
 
 
 def print_report(report: CheckReport, console) -> None:
-    from rich.table import Table
+    from rope_export.tables import print_table
+    from rope_export.tables import table as make_table
 
     title = (f"{report.model} ({report.dtype}) against {report.against}" if report.independent else
              f"{report.model} ({report.dtype}): runners compared with {report.against}, not with PyTorch")
-    table = Table(title=f"{title}, atol {report.tolerance.atol:g} rtol {report.tolerance.rtol:g}")
-    for column in ("runner", "status", "max abs error", "rotary nodes alone", "median latency"):
-        table.add_column(column)
+    table = make_table(f"{title}, atol {report.tolerance.atol:g} rtol {report.tolerance.rtol:g}",
+                       ("runner", "status", "max abs error", "rotary nodes alone", "median latency"), keep=("runner",))
     styles = {"pass": "green", "FAIL": "bold red", "skipped": "yellow", "golden": "cyan"}
     for r in report.runners:
         sweep = "" if r.sweep is None or r.sweep.status == "skipped" else (
@@ -276,7 +276,7 @@ def print_report(report: CheckReport, console) -> None:
             + (f" ({r.sweep.positions} positions)" if r.sweep.positions else ""))
         table.add_row(r.runner, f"[{styles[r.status]}]{r.status}[/{styles[r.status]}]", _cell(r.max_abs), sweep,
                       _cell(r.latency_ms, "{:.2f} ms"))
-    console.print(table)
+    print_table(console, table)
     for r in report.runners:  # notes below the table: skip reasons are sentences, not cells
         if r.reason:
             console.print(f"  {r.runner}: {r.reason}", markup=False, highlight=False, soft_wrap=True)
