@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Iterator
 
 # Every command, in the order of a user's path, with the line `rope-export --help` shows for it (the one
@@ -115,7 +116,9 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
         "`rope-export COMMAND --help` says more.",
     )
     debug_help = f"show the full traceback of an error (also: {DEBUG_ENV}=1) and the libraries' own logged errors"
+    verbose_help = "also show the libraries' FutureWarnings (deprecation notices meant for rope-export's maintainers)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
+    parser.add_argument("--verbose", action="store_true", help=verbose_help)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = COMMAND_MODULES if every else [m for m in COMMAND_MODULES if m in COMMANDS.get(command, ("", ()))[1]]
     for name in wanted:
@@ -130,6 +133,8 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
     subparsers._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     for sub in subparsers.choices.values():  # `rope-export export --debug ...` works too
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+        if "--verbose" not in sub._option_string_actions:  # export's own --verbose shows torch.onnx's messages too
+            sub.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     return parser
 
 
@@ -159,14 +164,19 @@ def signals_as_exceptions() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def quiet_libraries(debug: bool) -> Iterator[None]:
+def quiet_libraries(debug: bool, verbose: bool = False) -> Iterator[None]:
+    """The libraries' logged errors only with --debug; their FutureWarnings (transformers', torch's: what to
+    change in rope-export's own calls, not in the user's) only with --verbose or --debug."""
     loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
     levels = [lg.level for lg in loggers]
     if not debug:
         for lg in loggers:
             lg.setLevel(logging.CRITICAL)
     try:
-        yield
+        with warnings.catch_warnings():
+            if not (debug or verbose):
+                warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
@@ -190,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     prefix = "rope-export"
     # The handlers go in first: importing a command's modules (torch, onnx) takes seconds too.
-    with signals_as_exceptions(), quiet_libraries(debug or "--debug" in (sys.argv if argv is None else argv)):
+    words = sys.argv[1:] if argv is None else argv
+    with signals_as_exceptions(), quiet_libraries(debug or "--debug" in words, "--verbose" in words):
         try:
-            words = sys.argv[1:] if argv is None else argv
             args = build_parser(command_in(words), every=False).parse_args(words)
             debug = debug or args.debug
             prefix = f"rope-export {args.command}"

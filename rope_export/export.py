@@ -389,7 +389,8 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     parser.add_argument("--compare-decomposed", action="store_true",
                         help="also export the block with decomposed RoPE and report the node-count reduction")
-    parser.add_argument("--verbose", action="store_true", help="show torch.onnx's own messages")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show torch.onnx's own messages and the libraries' FutureWarnings")
     parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     add_output_arguments(parser)
     parser.set_defaults(func=_run)  # rope_export.module_export and rope_export.hf.cli add their options and routes

@@ -86,3 +86,25 @@ def test_the_benchmark_times_every_commands_help_and_lower_fuse_against_their_ta
     section = {"status": "measured", "rounds": 1, "rows": [
         {"command": "rope-export --help", "median_s": 0.1, "min_s": 0.1, "target_s": 0.5, "met": True}]}
     assert "| `rope-export --help` | 0.10 | 0.10 | 0.5 | yes |" in cli_startup.markdown(section)
+
+
+def test_library_future_warnings_show_only_with_verbose(monkeypatch):
+    import warnings
+
+    def warn(args):
+        warnings.warn("a keyword transformers deprecates", FutureWarning, stacklevel=1)
+        return 0
+
+    parser = cli.build_parser
+
+    def patched(*args, **kwargs):
+        p = parser(*args, **kwargs)
+        next(a for a in p._actions if a.dest == "command").choices["presets"].set_defaults(func=warn)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", patched)
+    for argv, shown in ((["presets"], False), (["--verbose", "presets"], True), (["presets", "--verbose"], True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli.main(argv) == 0
+        assert any(issubclass(w.category, FutureWarning) for w in caught) == shown, argv
