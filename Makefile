@@ -59,7 +59,9 @@ $(PYTRITON_DIR)/.installed: $(STAMP)
 
 trt-lean: setup $(if $(TENSORRT_INCLUDE_DIR),$(VENV)/.trt-lean) $(if $(TENSORRT10_INCLUDE_DIR),$(TRT_LEAN10_DIR)/.installed)
 
-demo: setup plugin
+# The demo builds build/plugins itself, once: an existing build is reused as configured, a new one gets the
+# CPU twin and CUDA kernels only for this machine's GPUs (none without one; `make plugin` builds them all).
+demo: setup
 	$(VENV)/bin/rope-export demo
 
 lint: setup

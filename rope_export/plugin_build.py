@@ -1,5 +1,9 @@
 """``rope-export build-plugin``: configure and build ``plugins/`` with CMake into ``build/plugins``.
 
+``--cuda-archs auto`` (what ``rope-export demo`` uses on a fresh build folder) compiles the CUDA
+kernels only for the GPUs this machine has, so a machine without one spends no minutes on them;
+the default, every architecture, is what CI builds (it fails on register spills in any of them).
+
 What gets built depends on the machine (see plugins/CMakeLists.txt): the CPU twin always; with
 nvcc the CUDA kernels (every architecture in ``--cuda-archs``, failing on register spills) and the
 CUDA library behind PyTorch's CUDA op; with TensorRT headers (``--tensorrt-include-dir`` or
@@ -21,6 +25,40 @@ from rope_export.cli import CLIError
 from rope_export.plugin import CUDA_ARCHS, PLUGIN_DIR_ENV, default_build_dir, plugin_dir, source_root
 
 DEFAULT_CUDA_ARCHS = ";".join(str(a) for a in CUDA_ARCHS)
+NO_GPU_NOTE = "no GPU here: CUDA kernels not compiled (--cuda-archs all compiles every architecture)"
+
+
+def gpu_archs() -> list[int]:
+    """The SM numbers of the GPUs ``nvidia-smi`` sees; none without a GPU or its driver."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    archs = set()
+    for cap in out.split():
+        major, _, minor = cap.partition(".")
+        if major.isdigit() and minor.isdigit():
+            archs.add(int(major) * 10 + int(minor))
+    return sorted(archs)
+
+
+def resolve_archs(spec: str) -> str | None:
+    """``--cuda-archs`` as CMake takes it: "all" -> every architecture, "auto" -> this machine's GPUs (None:
+    there is none), else the given SM numbers, ',' or ';'-separated."""
+    spec = spec.strip().lower()
+    if spec == "all":
+        return DEFAULT_CUDA_ARCHS
+    if spec == "auto":
+        found = gpu_archs()
+        return ";".join(str(a) for a in found) if found else None
+    archs = spec.replace(",", ";")
+    if not archs or not all(a.strip().isdigit() for a in archs.split(";")):
+        raise CLIError(f"--cuda-archs {spec!r}: give SM numbers such as 80;90, or all, or auto")
+    return archs
 
 
 @dataclass
@@ -90,11 +128,13 @@ def ensure_built(quiet: bool = True) -> Path:
     """The folder with the built libraries, building build/plugins incrementally first.
 
     With $ROPE_EXPORT_PLUGIN_DIR set, that folder is used as it is. An existing build folder keeps
-    the options it was configured with (``make plugin`` or ``rope-export build-plugin``).
+    the options it was configured with (``make plugin`` or ``rope-export build-plugin``), so kernels built
+    once are reused; a new one compiles the CUDA kernels only for this machine's GPUs (none without one).
     """
     if os.environ.get(PLUGIN_DIR_ENV):
         return plugin_dir()
-    opts = BuildOptions()
+    archs = resolve_archs("auto")
+    opts = BuildOptions(cuda=archs is not None, cuda_archs=archs or DEFAULT_CUDA_ARCHS)
     opts.build_dir.mkdir(parents=True, exist_ok=True)
     with open(opts.build_dir / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers build one at a time
@@ -129,7 +169,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--cuda-archs",
         default=DEFAULT_CUDA_ARCHS,
-        help=f"SM architectures, ';'- or ','-separated; PTX of the newest is added (default: {DEFAULT_CUDA_ARCHS})",
+        help="SM architectures, ';'- or ','-separated, or all, or auto (the GPUs of this machine; none without "
+        f"one); PTX of the newest is added (default all: {DEFAULT_CUDA_ARCHS})",
     )
     p.add_argument("--nvcc-threads", type=int, default=2, help="architectures nvcc compiles in parallel (default 2)")
     p.add_argument("--no-sanitize", action="store_true", help="skip the ASan/UBSan driver of the CPU twin")
@@ -140,9 +181,7 @@ def register(subparsers) -> None:
 
 
 def _main(args) -> int:
-    archs = args.cuda_archs.replace(",", ";")
-    if not all(a.strip().isdigit() for a in archs.split(";")):
-        raise CLIError(f"--cuda-archs {args.cuda_archs!r}: give SM numbers such as 80;90")
+    archs = resolve_archs(args.cuda_archs)
     if args.nvcc_threads < 0:
         raise CLIError(f"--nvcc-threads {args.nvcc_threads}: give 0 (all cores) or more")
     opts = BuildOptions(
@@ -150,8 +189,8 @@ def _main(args) -> int:
         tensorrt_include_dir=args.tensorrt_include_dir,
         tensorrt_extra_include_dirs=args.tensorrt_extra_include_dir if args.tensorrt_extra_include_dir is not None
         else [d for d in os.environ.get("TENSORRT_EXTRA_INCLUDE_DIRS", "").split(":") if d],
-        cuda=not args.no_cuda,
-        cuda_archs=archs,
+        cuda=not args.no_cuda and archs is not None,
+        cuda_archs=archs or DEFAULT_CUDA_ARCHS,
         nvcc_threads=args.nvcc_threads,
         sanitize=not args.no_sanitize,
         werror=args.werror,
@@ -160,4 +199,6 @@ def _main(args) -> int:
     )
     summary = build_plugins(opts)
     sys.stdout.write(summary)
+    if archs is None and not args.no_cuda:
+        print(f"  note:  {NO_GPU_NOTE}")
     return 0
