@@ -25,6 +25,16 @@ from rope_export.cli import CLIError
 from rope_export.plugin import CUDA_ARCHS, PLUGIN_DIR_ENV, default_build_dir, plugin_dir, source_root
 
 DEFAULT_CUDA_ARCHS = ";".join(str(a) for a in CUDA_ARCHS)
+DESCRIPTION = (
+    "Build the native code in plugins/ with CMake, into build/plugins (or --build-dir). Always: the CPU twin of "
+    "the kernels (what `check` runs as cpu-twin). With nvcc: the CUDA kernels for every architecture in "
+    "--cuda-archs (a register spill fails the build) and the CUDA library PyTorch's CUDA op uses. With TensorRT's "
+    "headers (--tensorrt-include-dir or $TENSORRT_INCLUDE_DIR): the two plugin libraries, "
+    "librope_export_trt_plugin.so (for hosts that dlopen it: polygraphy --plugins, Triton's plugins=, trtexec "
+    "--staticPlugins) and librope_export_trt_vc_plugin.so (for IPluginRegistry::loadLibrary: trtexec "
+    "--dynamicPlugins, the lean runtime). It ends with what was built and what was skipped, and why. "
+    "A rebuild compiles only what changed."
+)
 NO_GPU_NOTE = "no GPU here: CUDA kernels not compiled (--cuda-archs all compiles every architecture)"
 
 
@@ -149,9 +159,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "build-plugin",
         help="build the rotary kernels, their CPU twin and the TensorRT plugin (CMake)",
-        description=__doc__,
+        description=DESCRIPTION,
     )
-    p.add_argument("--build-dir", type=Path, default=default_build_dir(), help="default: build/plugins")
+    p.add_argument("--build-dir", type=Path, default=default_build_dir(),
+                   help="where to build (default: build/plugins, where the other commands look)")
     p.add_argument(
         "--tensorrt-include-dir",
         default=os.environ.get("TENSORRT_INCLUDE_DIR"),

@@ -255,7 +255,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "build",
         help="build a TensorRT engine from a trt-plugin ONNX file, with the rotary plugin loaded",
-        description=__doc__,
+        description="Build a TensorRT engine from a file lowered with `rope-export lower --target trt-plugin`, "
+        "with the rotary plugin library loaded, and write it to --output. Every rotary node must become one of "
+        "the plugin's layers (a file lowered before the plugin's op type was renamed is read as the same op). "
+        "The optimization profile comes from the file's inputs: give --shape for the ones whose range you know "
+        "(NAME:DIMS or NAME:MIN:OPT:MAX) and --max-batch for the batch. Needs TensorRT and a CUDA GPU; without "
+        "them it says which is missing in one line.",
     )
     p.add_argument("onnx", type=Path, help="ONNX file lowered with --target trt-plugin")
     p.add_argument("-o", "--output", type=Path, required=True, help="engine file to write")

@@ -108,3 +108,13 @@ def test_library_future_warnings_show_only_with_verbose(monkeypatch):
             warnings.simplefilter("always")
             assert cli.main(argv) == 0
         assert any(issubclass(w.category, FutureWarning) for w in caught) == shown, argv
+
+
+@pytest.mark.parametrize("command", ["build", "build-plugin"])
+def test_build_help_is_written_for_users_not_as_a_docstring(command, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.plugin_build", "rope_export.trt"])
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "rope_export." not in out
+    assert "trt-plugin" in out
