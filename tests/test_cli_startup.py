@@ -117,4 +117,4 @@ def test_build_help_is_written_for_users_not_as_a_docstring(command, capsys, mon
         cli.main([command, "--help"])
     out = capsys.readouterr().out
     assert "``" not in out and "rope_export." not in out
-    assert "trt-plugin" in out
+    assert "trt-plugin" in out or "librope_export_trt_plugin.so" in out  # what it is for, in user terms
