@@ -17,12 +17,11 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-
-import onnx
+from typing import TYPE_CHECKING
 
 from rope_export.cli import CLIError
 from rope_export.fileio import atomic_write_bytes
-from rope_export.passes.lower_trt_plugin import (
+from rope_export.passes.targets import (
     LEGACY_PLUGIN_NAME,
     PLUGIN_NAME,
     PLUGIN_NAMESPACE,
@@ -30,7 +29,11 @@ from rope_export.passes.lower_trt_plugin import (
     TRT_PLUGIN_DOMAIN,
 )
 from rope_export.plugin import PLUGIN_DIR_ENV, TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
-from rope_export.trt_profiles import ShapeSpec, derive_profile
+
+if TYPE_CHECKING:  # onnx and the profile code are imported where used: `rope-export build --help` answers at once
+    import onnx
+
+    from rope_export.trt_profiles import ShapeSpec
 
 
 class TensorRTUnavailable(CLIError):
@@ -179,6 +182,7 @@ def check_rotary_layers(network, expected: dict[str, str], trt) -> None:
 
 def parse_network(onnx_path: Path, trt):
     """(builder, network, parser) for the file, our rotary nodes checked to be plugin layers."""
+    import onnx
     from polygraphy.backend.trt import CreateNetwork, get_trt_logger
 
     model = onnx.load(str(onnx_path), load_external_data=False)  # weights stay where they are
@@ -213,6 +217,10 @@ def build_engine(
     onnx_path = Path(onnx_path)
     if not onnx_path.is_file():
         raise FileNotFoundError(f"ONNX file {onnx_path} not found")
+    import onnx
+
+    from rope_export.trt_profiles import derive_profile
+
     profile_shapes, notes = derive_profile(onnx.load(str(onnx_path), load_external_data=False), shapes,
                                            max_batch=max_batch)
     for note in notes:

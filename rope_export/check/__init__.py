@@ -19,20 +19,29 @@ The package follows polygraphy's split between what is compared and how:
 * ``core``: ``check()`` itself; ``cli``: the command.
 """
 
-from rope_export.check.cli import register
-from rope_export.check.compare import OutputStats, compare_output, position_buckets
-from rope_export.check.core import check
-from rope_export.check.inputs import Case, InputPlan
-from rope_export.check.model_file import CheckError
-from rope_export.check.report import (
-    CheckReport,
-    RunnerReport,
-    print_report,
-    report_dict,
-    report_markdown,
-    write_reports,
-)
-from rope_export.check.runners import RUNNERS
+import importlib
+
+# Imported on first use (PEP 562): `rope-export check --help` needs only cli.py, not torch or onnxruntime.
+_EXPORTS = {
+    "register": "cli", "OutputStats": "compare", "compare_output": "compare", "position_buckets": "compare",
+    "check": "core", "Case": "inputs", "InputPlan": "inputs", "CheckError": "model_file",
+    "CheckReport": "report", "RunnerReport": "report", "print_report": "report", "report_dict": "report",
+    "report_markdown": "report", "write_reports": "report", "RUNNERS": "runners",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"rope_export.check.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule, as `rope_export.check.NAME` was before the imports became lazy
+        return importlib.import_module(f"rope_export.check.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"rope_export.check.{name}":  # the submodule exists; something it imports is missing
+            raise
+        raise AttributeError(f"module 'rope_export.check' has no attribute {name!r}") from None
+
 
 __all__ = [
     "RUNNERS",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rope_export.check.runners import RUNNERS
+from rope_export.check.names import RUNNERS
 
 
 def _positive(text: str) -> int:

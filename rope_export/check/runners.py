@@ -21,9 +21,9 @@ import onnx
 from rope_export.bounds import format_bytes
 from rope_export.check.graph import rotary_nodes
 from rope_export.check.model_file import CheckError, ModelFile
+from rope_export.check.names import RUNNERS
 from rope_export.check.pieces import StreamedRunner, plan_pieces, session_costs
 
-RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu", "onnxruntime-cuda", "tensorrt")
 MAX_IN_MEMORY = 1 << 30  # weights above this stay on disk: runners that need a ModelProto are skipped
 PIECE_LIMIT = 4 << 30  # onnxruntime CPU in pieces (when one session does not fit): at most this per piece
 

@@ -25,7 +25,12 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f"rope_export.passes.{_EXPORTS[name]}"), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'rope_export.passes' has no attribute {name!r}")
+    try:  # a submodule, as `rope_export.passes.NAME` was before the imports became lazy
+        return importlib.import_module(f"rope_export.passes.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"rope_export.passes.{name}":  # the submodule exists; something it imports is missing
+            raise
+        raise AttributeError(f"module 'rope_export.passes' has no attribute {name!r}") from None
 
 
 __all__ = [

@@ -28,13 +28,15 @@ from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, read_site
-from rope_export.passes.targets import PLUGIN_NAME
+from rope_export.passes.targets import (
+    LEGACY_PLUGIN_NAME,
+    PLUGIN_NAME,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    TRT_PLUGIN_DOMAIN,
+)
 
-TRT_PLUGIN_DOMAIN = "trt.plugins"
-LEGACY_PLUGIN_NAME = "RotaryEmbedding"  # before the rename; TensorRT >= 10.15 claims it
 PLUGIN_OP_TYPES = (PLUGIN_NAME, LEGACY_PLUGIN_NAME)
-PLUGIN_NAMESPACE = "rope_export"
-PLUGIN_VERSION = "1"
 ROUTING_ATTRIBUTES = ("plugin_namespace", "plugin_version")
 
 
