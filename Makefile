@@ -35,9 +35,12 @@ $(STAMP): pyproject.toml requirements/lock.txt
 setup: $(STAMP)
 
 # The CPU twin (always), its sanitizer driver, the CUDA kernels and library when nvcc is present, the
-# TensorRT plugin libraries when its headers are given; see `rope-export build-plugin --help`.
+# TensorRT plugin libraries when its headers are given; see `rope-export build-plugin --help`. The kernels
+# for every architecture by default (CI fails on a register spill in any); CUDA_ARCHS=auto: only this
+# machine's GPUs (none without one), CUDA_ARCHS=80,90: those.
+CUDA_ARCHS ?= all
 plugin: setup
-	$(PY) -m rope_export.cli build-plugin --werror
+	$(PY) -m rope_export.cli build-plugin --werror --cuda-archs $(CUDA_ARCHS)
 
 $(VENV)/.trt-lean: $(STAMP)
 	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve,trt-lean]'
