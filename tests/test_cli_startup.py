@@ -40,6 +40,21 @@ def test_a_command_help_imports_no_heavy_library(command):
     assert not set(heavy_imports([command, "--help"])) & set(HEAVY)
 
 
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.onnx"
+    assert cli.main(["export", "--preset", "tiny", "-o", str(path)]) == 0
+    return path
+
+
+@pytest.mark.parametrize("target", ["onnx", "ort", "trt-plugin", "decomposed"])
+def test_lower_runs_without_torch(tiny_onnx, tmp_path, target):
+    # the lowered nodes are validated against the contract in NumPy: importing torch was most of lower's time
+    heavy = heavy_imports(["lower", str(tiny_onnx), "--target", target, "-o", str(tmp_path / "out.onnx")])
+    assert (tmp_path / "out.onnx").is_file()
+    assert "torch" not in heavy and "transformers" not in heavy
+
+
 def test_top_level_help_lists_every_command_and_the_users_path(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])

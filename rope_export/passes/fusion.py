@@ -49,7 +49,7 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
     ``adopt_standard``: also rename ai.onnx RotaryEmbedding-23 nodes to rope_export's (same
     semantics); by default they are reported and kept.
     ``validate``: check every rope_export node of the result (stored cache types and widths, cos² + sin²
-    one constant) and run each once on onnx.reference against the op contract's PyTorch reference
+    one constant) and run each once on onnx.reference against the op contract in NumPy
     (``passes.validation``; ``rope-export fuse`` always does).
     """
     report = report if report is not None else FusionReport()

@@ -10,7 +10,8 @@ Three checks, each cheap on a model of any size (the weights are never read):
   for the whole cache (1 for most schemes; YaRN and LongRoPE fold a magnitude factor into the
   caches, constant per file). A changed row is not cos/sin of an angle and is named;
 * the emitted nodes run once on a small input (the slice of the graph between each node's inputs
-  and its output, ``_probe``) and are compared with the PyTorch reference of the op contract:
+  and its output, ``_probe``) and are compared with the op contract in NumPy (``rotary_numpy``,
+  which tests hold equal to the PyTorch reference):
   onnxruntime for the ``onnx``/``ort``/``decomposed`` forms (the runtime they are written for; its
   failure is the file's failure), onnx.reference with a kernel for our node or the trt-plugin node
   otherwise. A form no runtime here can run (bfloat16 under the ``ort`` contrib op) is noted.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -220,7 +220,7 @@ def run(model: ir.Model, runs: list[NodeRun], runtime: str, form: str, log: Lowe
             _compare(one, actual, form, runtime)
     if log is not None and runs:
         log.note(f"ran {len(runs)} {form} node(s) once on a small input on {RUNTIME_NAMES[runtime]}: each equals "
-                 "the op contract's PyTorch reference")
+                 "the op contract")
 
 
 CHUNK = 8  # nodes per evaluation (the probe refuses a slice past its node limit)
@@ -271,7 +271,8 @@ def _compare(one: NodeRun, actual: np.ndarray, form: str, runtime: str) -> None:
 
 def _trt_plugin_ops() -> list[type]:
     """onnx.reference kernels for the trt-plugin node: the op contract in NumPy (the routing attributes
-    only select TensorRT's plugin). Compared with the PyTorch reference, so a lost or wrong attribute shows."""
+    only select TensorRT's plugin). Compared with the contract under the node's attributes before lowering,
+    so a lost or wrong attribute shows."""
     from onnx.reference.op_run import OpRun
 
     from rope_export.onnx_op import rotary_numpy
@@ -350,19 +351,10 @@ def _positions(rng, shape: tuple[int, int], rows: int, out_of_range: bool) -> np
 
 
 def _reference(x, cos, sin, pos, attrs: RotaryAttrs) -> np.ndarray:
-    """The PyTorch reference of the op contract: written apart from every lowering and kernel."""
-    import torch
+    """The op contract in NumPy (``onnx_op.rotary_numpy``, written apart from every lowering and kernel
+    and held equal to the PyTorch reference by tests/test_reference.py). NumPy rather than torch so
+    that ``lower`` and ``fuse`` never import torch: it is most of their start-up."""
+    from rope_export.onnx_op import rotary_numpy
 
-    from rope_export.reference import rotary_embedding
-
-    def to_torch(a: np.ndarray):
-        if a.dtype == ml_dtypes.bfloat16:
-            return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(np.array(a))  # a copy: constants are read-only
-
-    y = rotary_embedding(to_torch(x), to_torch(cos), to_torch(sin), None if pos is None else to_torch(pos),
-                         interleaved=attrs.interleaved, num_heads=attrs.num_heads,
-                         rotary_embedding_dim=attrs.rotary_embedding_dim)
-    if y.dtype == torch.bfloat16:
-        return y.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
-    return y.numpy()
+    return rotary_numpy(x, cos, sin, pos, interleaved=int(attrs.interleaved), num_heads=attrs.num_heads,
+                        rotary_embedding_dim=attrs.rotary_embedding_dim)
