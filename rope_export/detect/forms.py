@@ -267,7 +267,7 @@ def _tensors(form: RotaryForm, layout: str, head_dim: int, generator) -> list[to
     return [torch.randn(shape, generator=generator) for shape in shapes[: form.tensors_per_call]]
 
 
-def _difference(got, want) -> float:
+def difference(got, want) -> float:
     got = got if isinstance(got, tuple | list) else (got,)
     want = want if isinstance(want, tuple | list) else (want,)
     if len(got) != len(want) or not all(isinstance(t, torch.Tensor) for t in (*got, *want)):
@@ -302,7 +302,7 @@ def _one_probe(form, function, signature, layout, takes_layout, head_dim, rotary
                                None if takes_layout else layout)
     except (FormError, RuntimeError):
         return float("inf")
-    return _difference(got, want)
+    return difference(got, want)
 
 
 def probe(form: RotaryForm, function: Callable) -> ProbeResult | None:
