@@ -131,6 +131,7 @@ def test_dinov3_plain_export_through_fuse():
     report = FusionReport()
     fused = fuse(model, report=report, validate=True)
     assert n_rotary(fused) == 2 and report.num_fused == 2, report.as_text()
+    assert (report.found, report.left) == (2, 0)  # the graph's own evidence: 2 rotations, none left
     assert "constant table" in " ".join(r.detail for r in report.rows())
     assert_equal_to_eager(fused, block, (torch.randn(3, *pixels.shape[1:]),))
 

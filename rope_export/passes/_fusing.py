@@ -56,6 +56,23 @@ class FusionReport:
 
     records: dict[str, SiteRecord] = field(default_factory=dict)
     larger_form_misses: dict[str, str] = field(default_factory=dict)
+    found: int | None = None  # decomposed rotations in the input, by the graph's evidence (passes.evidence)
+    left: int | None = None  # decomposed rotations in the result, by the same evidence
+
+    @property
+    def complete(self) -> bool:
+        """No rotation the graph's evidence shows was left decomposed (True when not counted)."""
+        return not self.left and (self.found is None or self.num_fused >= self.found)
+
+    def summary(self) -> str:
+        """ "N rotation(s) found, M fused" (and how many are left), from the graph's own evidence."""
+        if self.found is None:
+            return f"fused {self.num_fused} site(s)"
+        text = (f"{self.found} rotation(s) found (cos/sin feeding multiply-add pairs), {self.num_fused} fused"
+                + (f", {self.left} left decomposed" if self.left else ""))
+        if not self.complete:
+            text += "; the table says why each site was left alone"
+        return text
 
     def fused(self, site: str, form: str, detail: str) -> None:
         note = self.larger_form_misses.pop(site, None)
