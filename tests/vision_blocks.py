@@ -145,3 +145,42 @@ def dinov3(registers: int = 4) -> tuple[nn.Module, torch.Tensor]:
 def pixtral() -> nn.Module:
     torch.manual_seed(0)
     return PixtralBlock().eval()
+
+
+# -- lucidrains' rotary-embedding-torch: tables made for the sequence length (no position input) ------------
+
+class LucidrainsBlock(nn.Module):
+    """rotary_embedding_torch's RotaryEmbedding as its README calls it: ``rotate_queries_or_keys`` (positions
+    0..S-1 made inside, cos/sin folded to constants by a static export) or, ``axial``, 2-D pixel
+    frequencies from ``get_axial_freqs(grid, grid)`` over a quarter of the head per axis (partial)."""
+
+    def __init__(self, axial: bool = False, seed: int = 0):
+        super().__init__()
+        from rotary_embedding_torch import RotaryEmbedding
+
+        generator = torch.Generator().manual_seed(seed)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=generator) * 0.2
+        self.axial = axial
+        self.rope = RotaryEmbedding(dim=HEAD_DIM // 4, freqs_for="pixel", max_freq=256) if axial else \
+            RotaryEmbedding(dim=HEAD_DIM)
+
+    def forward(self, x):
+        from rotary_embedding_torch import apply_rotary_emb
+
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.axial:
+            grid = math.isqrt(n)
+            freqs = self.rope.get_axial_freqs(grid, grid).reshape(n, -1)  # [N, D/2]: rows, then columns
+            q, k = apply_rotary_emb(freqs, q), apply_rotary_emb(freqs, k)
+        else:
+            q, k = self.rope.rotate_queries_or_keys(q), self.rope.rotate_queries_or_keys(k)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM), dim=-1)
+        return (weights @ v).transpose(1, 2).reshape(b, n, HIDDEN), k
+
+
+def lucidrains(axial: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return LucidrainsBlock(axial).eval()
