@@ -47,6 +47,10 @@ def _shifted(args: tuple, kwargs: dict) -> tuple[tuple, dict, int] | None:
     return tree_map(shift, args), tree_map(shift, kwargs), offset
 
 
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+
+
 def check_on_onnxruntime(module: torch.nn.Module, args: tuple, kwargs: dict, model: ir.Model) -> list[str]:
     """Run ``model`` lowered to ``onnx`` on onnxruntime against ``module``; returns notes (what was not run).
 
@@ -69,16 +73,20 @@ def check_on_onnxruntime(module: torch.nn.Module, args: tuple, kwargs: dict, mod
         return ["the file was not run on onnxruntime before writing: onnxruntime's CPU provider has no bfloat16 "
                 "kernels"]
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # a failure is raised with its message; onnxruntime need not log it too
+    sites = ", ".join(n.name for n in rotary_nodes(model)) or "none"
     proto = lower(ir.to_proto(model), "onnx")
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - a file onnxruntime cannot load is not written
+        raise FileMismatchError(f"onnxruntime refuses the fused file (lowered to onnx): {_first_line(exc)}; "
+                                f"rotary nodes: {sites}; nothing was written") from None
     del proto
     cases = [("the example", args, kwargs)]
     notes = []
     shifted = _shifted(args, kwargs)
     if shifted is not None:
         cases.append((f"the example's integer inputs (positions) + {shifted[2]}", shifted[0], shifted[1]))
-    sites = ", ".join(n.name for n in rotary_nodes(model)) or "none"
     for label, a, kw in cases:
         try:
             with torch.no_grad():
@@ -87,7 +95,11 @@ def check_on_onnxruntime(module: torch.nn.Module, args: tuple, kwargs: dict, mod
             notes.append(f"not compared on {label}: the eager block refuses it ({type(exc).__name__})")
             continue
         feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, _tensors((a, kw)), strict=True)}
-        got = session.run(None, feeds)
+        try:
+            got = session.run(None, feeds)
+        except Exception as exc:  # noqa: BLE001 - e.g. caches that do not fit the rotated tensor
+            raise FileMismatchError(f"onnxruntime fails on the fused file (lowered to onnx) on {label}: "
+                                    f"{_first_line(exc)}; rotary nodes: {sites}; nothing was written") from None
         if len(got) != len(want):
             notes.append(f"not compared on {label}: {len(got)} file outputs, {len(want)} eager outputs")
             continue

@@ -146,3 +146,20 @@ def test_pixtral_axial_rope_with_unsqueeze_dim_0():
     fused = fuse(plain_export(block, inputs, coords_dynamic()), validate=True)
     assert n_rotary(fused) == 2
     assert_equal_to_eager(fused, block, vb.example(batch=3, offset=2, seed=7))
+
+
+def test_a_file_onnxruntime_refuses_is_not_written(tmp_path, monkeypatch):
+    """DINOv3's function hooked as it was before the real-call check (21 tokens rotated with caches for 16
+    patches): the file's RotaryEmbedding-23 is refused by onnxruntime, an error naming it; nothing written."""
+    from rope_export.detect import functions
+    from rope_export.module_check import FileMismatchError
+
+    monkeypatch.setattr(functions, "checked_on_real_calls",
+                        lambda module, args, kwargs, found: [functions.RealCallCheck(f, calls=1) for f in found])
+    block, pixels = vb.dinov3()
+    out = tmp_path / "dinov3.onnx"
+    with pytest.raises(FileMismatchError, match="onnxruntime fails on the fused file .* on the example: .*"
+                                                "nothing was written") as info:
+        rope_export.export_module(block, (pixels,), output=out)
+    assert "rotary nodes: " in str(info.value) and len(str(info.value).splitlines()) == 1
+    assert not out.exists()
