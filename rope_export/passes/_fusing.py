@@ -122,7 +122,7 @@ class Site:
     x: ir.Value  # the op's X (the whole head when partial)
     candidate: Candidate
     form: Form
-    layout: str  # "bhsd" or "bshd"
+    layout: str  # "bhsd", "bshd" or "sbhd" (rewritten as bshd: the op's B and S are the tensor's S and B)
     heads: int | None
     cos: Trace
     sin: Trace
@@ -264,6 +264,9 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
     def _traces(probe: Probe, cand: Candidate, form: Form, layout: str, rank: int) -> tuple[Trace, Trace, str]:
         """(cos trace, sin trace, why the structural trace did not apply, or "")."""
         head_axis = 1 if layout == "bhsd" else 2
+        if layout == "sbhd":  # tokens on axes (0, 1): only the values as the site computes them fit
+            return (graph_trace(probe, cand.cos, cand.cos_product, layout),
+                    graph_trace(probe, cand.sin, cand.cos_product, layout), "")
         dup = None if cand.pairs else ("repeat" if form.interleaved else "cat")
         note = ""
         try:
