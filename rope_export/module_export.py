@@ -103,13 +103,15 @@ class ModuleExportResult:
         return "\n".join(lines)
 
 
-def auto_dynamic_shapes(args: tuple, kwargs: dict, shared: bool = True):
+def auto_dynamic_shapes(args: tuple, kwargs: dict, shared: bool = True, first_only: bool = False):
     """(per-arg specs, per-kwarg specs) making batch and sequence dynamic.
 
     ``shared``: the first tensor input's dims 0 and 1 become the named dims ``batch`` and ``seq``,
     and every other input's dim 0/1 of the same example size shares them (so the file says that
     they are equal); dims of size 1 and the rest are left to torch (``Dim.AUTO``). Otherwise every
-    dim 0/1 is ``Dim.AUTO`` (torch names each on its own).
+    dim 0/1 is ``Dim.AUTO`` (torch names each on its own). ``first_only``: only the first tensor's
+    dims 0/1 are ``Dim.AUTO``, every other input static (an input whose dims merely have the batch
+    size, such as patch coordinates ``[N, 2]`` at batch 2, can make torch.export fail otherwise).
     """
     auto = torch.export.Dim.AUTO
     tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
@@ -120,7 +122,13 @@ def auto_dynamic_shapes(args: tuple, kwargs: dict, shared: bool = True):
             if first.dim() > axis and first.shape[axis] > 1 and first.shape[axis] not in named:
                 named[int(first.shape[axis])] = torch.export.Dim(name)
 
+    first_tensor = tensors[0] if tensors else None
+
     def spec(value):
+        if isinstance(value, torch.Tensor) and first_only:
+            if value is not first_tensor:
+                return None
+            return {axis: auto for axis in range(min(2, value.dim()))} or None
         if isinstance(value, torch.Tensor):
             return {axis: named.get(int(value.shape[axis]), auto) for axis in range(min(2, value.dim()))} or None
         if isinstance(value, (list, tuple)):
@@ -206,7 +214,11 @@ def export_module(
             return trace(auto_dynamic_shapes(args, kwargs), auto=True)
         except Exception:  # noqa: BLE001 - the shared names did not hold (e.g. a dim torch specializes)
             say("batch/seq shared across inputs did not trace; letting torch choose each dim")
+        try:
             return trace(auto_dynamic_shapes(args, kwargs, shared=False), auto=True)
+        except Exception:  # noqa: BLE001 - e.g. torch.export's own assertion on a small non-batch dim
+            say("dims 0/1 of every input dynamic did not trace; only the first input's, the others static")
+            return trace(auto_dynamic_shapes(args, kwargs, first_only=True), auto=True)
 
     hooked: list[str] = []
     program = None

@@ -141,6 +141,7 @@ def test_pixtral_axial_rope_with_unsqueeze_dim_0():
     block, inputs = vb.pixtral(), vb.example()
     result = rope_export.export_module(block, inputs, dynamic_shapes=coords_dynamic())
     assert result.rotary_nodes == 2 and result.count.ok, result.as_text()
+    assert len(result.hooked) == 1 and "pixtral.apply_rotary_pos_emb" in result.hooked[0]  # checked on its calls
     assert_equal_to_eager(result.model, block, inputs)
     assert_equal_to_eager(result.model, block, vb.example(batch=1, grid=3, offset=5, seed=6))
     fused = fuse(plain_export(block, inputs, coords_dynamic()), validate=True)
