@@ -6,7 +6,9 @@ code, your own) the steps are:
 1. count the rotations one eager forward performs (``rope_export.detect.count_rotations``: by data
    flow, independent of how the rotation is spelled), recording which Python functions it ran;
 2. find the rotary functions among those (``rope_export.detect.functions``: read from the code,
-   each verified numerically against a form) and export the module with each of them routed
+   each verified numerically against a form, then checked on the block's own calls in one more eager
+   forward: a function whose replacement differs there, e.g. called with another switch than its
+   default, is not hooked and the note says by how much) and export the module with each of them routed
    through the rotary op (``hook_functions=True``; where hooking is exact), on torch.onnx's dynamo
    exporter (batch and sequence dims dynamic where torch allows, ``dynamic_shapes="auto"``); if the
    hooked export fails, the module is exported as it is and the failure noted;
@@ -18,7 +20,11 @@ code, your own) the steps are:
    file is written, with ``allow_decomposed=True``);
 5. record the module's eager outputs for the example inputs in the file's metadata (``record_example``,
    at most ``EXAMPLE_LIMIT`` bytes): ``rope-export check`` compares every runner with PyTorch on them;
-6. write the file atomically (weights past 2 GB go to ``NAME.onnx.data``).
+6. run the file, lowered to ``onnx``, on onnxruntime against the eager block on the example and with
+   its integer inputs (positions) moved past the traced ones (``module_check``): a mismatch raises
+   ``FileMismatchError`` naming the output and the error size;
+7. write the file atomically (weights past 2 GB go to ``NAME.onnx.data``); nothing is written when a
+   step above raises.
 
 The result reports, per module that rotates, how many rotations it performs, how many became
 rotary nodes and why any other was left alone.
@@ -39,11 +45,15 @@ from rope_export import onnx_files
 from rope_export.detect import CountReport, RotationCensus, compare_with_file, count_rotations, rotary_nodes
 from rope_export.detect.census import module_path_of
 from rope_export.fileio import check_writable
+from rope_export.module_check import FileMismatchError, check_on_onnxruntime
 from rope_export.passes import FusionReport, fuse
 
 
 class ModuleExportError(ValueError):
     """An export_module request that cannot be honoured; the message names the fix."""
+
+
+__all__ = ["FileMismatchError", "ModuleExportError", "export_module"]
 
 
 @dataclass
@@ -93,13 +103,15 @@ class ModuleExportResult:
         return "\n".join(lines)
 
 
-def auto_dynamic_shapes(args: tuple, kwargs: dict, shared: bool = True):
+def auto_dynamic_shapes(args: tuple, kwargs: dict, shared: bool = True, first_only: bool = False):
     """(per-arg specs, per-kwarg specs) making batch and sequence dynamic.
 
     ``shared``: the first tensor input's dims 0 and 1 become the named dims ``batch`` and ``seq``,
     and every other input's dim 0/1 of the same example size shares them (so the file says that
     they are equal); dims of size 1 and the rest are left to torch (``Dim.AUTO``). Otherwise every
-    dim 0/1 is ``Dim.AUTO`` (torch names each on its own).
+    dim 0/1 is ``Dim.AUTO`` (torch names each on its own). ``first_only``: only the first tensor's
+    dims 0/1 are ``Dim.AUTO``, every other input static (an input whose dims merely have the batch
+    size, such as patch coordinates ``[N, 2]`` at batch 2, can make torch.export fail otherwise).
     """
     auto = torch.export.Dim.AUTO
     tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
@@ -110,7 +122,13 @@ def auto_dynamic_shapes(args: tuple, kwargs: dict, shared: bool = True):
             if first.dim() > axis and first.shape[axis] > 1 and first.shape[axis] not in named:
                 named[int(first.shape[axis])] = torch.export.Dim(name)
 
+    first_tensor = tensors[0] if tensors else None
+
     def spec(value):
+        if isinstance(value, torch.Tensor) and first_only:
+            if value is not first_tensor:
+                return None
+            return {axis: auto for axis in range(min(2, value.dim()))} or None
         if isinstance(value, torch.Tensor):
             return {axis: named.get(int(value.shape[axis]), auto) for axis in range(min(2, value.dim()))} or None
         if isinstance(value, (list, tuple)):
@@ -160,19 +178,29 @@ def export_module(
     if not isinstance(module, torch.nn.Module):
         raise ModuleExportError(f"expected a torch.nn.Module, got {type(module).__name__}")
     module = module.eval()
-    from rope_export.detect.functions import find_rotary_functions, recorded_calls, rotary_functions_hooked
+    from rope_export.detect.functions import (
+        checked_on_real_calls,
+        find_rotary_functions,
+        recorded_calls,
+        rotary_functions_hooked,
+    )
 
     say("counting the rotations of one eager forward")
     with recorded_calls() as called:
         census = count_rotations(module, args, kwargs)
     functions = find_rotary_functions(module, called=called) if hook_functions else []
     notes: list[str] = []
+    if functions:
+        say("checking each rotary function on the block's own calls against its replacement")
+        checks = checked_on_real_calls(module, args, kwargs, functions)
+        functions = [c.function for c in checks if c.ok]
+        notes += [f"not hooked: {c.why}; the traced graph is fused instead" for c in checks if not c.ok]
     say(f"exporting with torch.onnx (dynamo, opset {opset})")
 
-    def trace(shapes):
-        if isinstance(shapes, tuple) and len(shapes) == 2 and kwargs:  # (args specs, kwargs specs)
+    def trace(shapes, auto: bool = False):
+        if auto and kwargs:  # auto_dynamic_shapes' (args specs, kwargs specs)
             shapes = {**_named(module, shapes[0]), **shapes[1]}
-        elif isinstance(shapes, tuple) and len(shapes) == 2:
+        elif auto:
             shapes = shapes[0]
         with torch.no_grad(), _quiet_exporter(verbose):
             return torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
@@ -183,10 +211,14 @@ def export_module(
         if dynamic_shapes != "auto":
             return trace(dynamic_shapes)
         try:
-            return trace(auto_dynamic_shapes(args, kwargs))
+            return trace(auto_dynamic_shapes(args, kwargs), auto=True)
         except Exception:  # noqa: BLE001 - the shared names did not hold (e.g. a dim torch specializes)
             say("batch/seq shared across inputs did not trace; letting torch choose each dim")
-            return trace(auto_dynamic_shapes(args, kwargs, shared=False))
+        try:
+            return trace(auto_dynamic_shapes(args, kwargs, shared=False), auto=True)
+        except Exception:  # noqa: BLE001 - e.g. torch.export's own assertion on a small non-batch dim
+            say("dims 0/1 of every input dynamic did not trace; only the first input's, the others static")
+            return trace(auto_dynamic_shapes(args, kwargs, first_only=True), auto=True)
 
     hooked: list[str] = []
     program = None
@@ -217,13 +249,16 @@ def export_module(
         try:
             count = compare_with_file(census, model)
         except ValueError as exc:
-            raise type(exc)(f"{exc}\n{_table(sites)}\nnothing was written; pass allow_decomposed=True "
+            raise type(exc)(f"{exc}\n{_table(sites)}\n" + "".join(f"note: {n}\n" for n in notes)
+                            + "nothing was written; pass allow_decomposed=True "
                             "(--allow-decomposed) to write the file anyway") from None
     say("recording the module's eager outputs for the example (what `check` compares with PyTorch)")
     recorded, note = record_example(module, args, kwargs, model)
     model.metadata_props.update(recorded)
     if note:
         notes.append(note)
+    say("running the file (lowered to onnx) on onnxruntime against the eager block")
+    notes += check_on_onnxruntime(module, args, kwargs, model)
     if output is not None:
         say(f"writing {output}")
         onnx_files.write(model, output, external=external, check=True, progress=say)

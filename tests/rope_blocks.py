@@ -306,8 +306,8 @@ class SinusoidalAdded(nn.Module):
 
 
 class SequenceFirst(nn.Module):
-    """Megatron/GPT-NeoX original layout [S, B, H, D] (cos [S, 1, 1, D]): a rotation the op cannot
-    take (its sequence axis is 0), counted but left decomposed."""
+    """Megatron/GPT-NeoX original layout [S, B, H, D] (cos [S, 1, 1, D]): fused as [B', S', H, D] with the
+    token axes swapped (per-token caches)."""
 
     layout = "sbhd"
 
@@ -315,6 +315,21 @@ class SequenceFirst(nn.Module):
         a = torch.cat((angles(pos[:1]), angles(pos[:1])), dim=-1)[0][:, None, None, :]  # [S, 1, 1, D]
         cos, sin = a.cos(), a.sin()
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class PerHeadAngles(nn.Module):
+    """Each head rotates by its own multiple of the angles (per-head frequencies): cos/sin [B, H, S, D]
+    vary per head, which the op (one cos/sin per token) cannot take; counted, left decomposed."""
+
+    layout = "bhsd"
+
+    def forward(self, q, k, pos):
+        def rot(x):
+            scale = 1.0 + 0.25 * torch.arange(x.shape[1]).float()[None, :, None, None]
+            a = torch.cat((angles(pos), angles(pos)), dim=-1)[:, None] * scale
+            return x * a.cos() + rotate_half(x) * a.sin()
+
+        return rot(q), rot(k)
 
 
 class MismatchedAngles(nn.Module):
@@ -384,11 +399,12 @@ FORMS: dict[str, Form] = {
     "mla": Form(MLA, 2, False),
     "glm": Form(lambda: TransformersFunction("glm"), 2, True, partial=True),
     "nanochat_flipped": Form(lambda: TransformersFunction("nanochat"), 2, False),
+    "sequence_first": Form(SequenceFirst, 2, False),
 }
 
 # rotations the op cannot express: counted, left decomposed, and said so
 UNFUSABLE: dict[str, Form] = {
-    "sequence_first": Form(SequenceFirst, 2),
+    "per_head_angles": Form(PerHeadAngles, 2),
 }
 
 LOOK_ALIKES: dict[str, Form] = {
@@ -433,5 +449,5 @@ def torchtune_factory():
     return block("torchtune"), example()
 
 
-def sequence_first_factory():
-    return {"module": block("sequence_first"), "args": example(), "input_names": ["x", "pos"]}
+def unfusable_factory():
+    return {"module": block("per_head_angles"), "args": example(), "input_names": ["x", "pos"]}

@@ -92,17 +92,17 @@ def test_look_alikes_are_left_alone_and_the_report_says_why(name):
 def test_a_rotation_the_op_cannot_take_stops_the_export(tmp_path):
     out = tmp_path / "block.onnx"
     with pytest.raises(DecomposedRotationError) as info:
-        rope_export.export_module(rb.block("sequence_first"), rb.example(), output=out)
+        rope_export.export_module(rb.block("per_head_angles"), rb.example(), output=out)
     message = str(info.value)
-    assert "2 of 2 rotation(s) stayed decomposed" in message and "[S, B, H, D] layout" in message
+    assert "2 of 2 rotation(s) stayed decomposed" in message and "cos/sin vary per head" in message
     assert "rope: 2 rotation(s), 0 fused" in message and not out.exists()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = rope_export.export_module(rb.block("sequence_first"), rb.example(), output=out,
+        result = rope_export.export_module(rb.block("per_head_angles"), rb.example(), output=out,
                                            allow_decomposed=True)
     assert out.is_file() and result.rotary_nodes == 0 and not result.count.ok
     assert any("stayed decomposed" in str(w.message) for w in caught)
-    assert_matches_eager(onnx.load(out), "sequence_first")
+    assert_matches_eager(onnx.load(out), "per_head_angles")
 
 
 def test_opset_18_and_static_shapes():
@@ -131,9 +131,9 @@ def test_cli_module_spec(tmp_path, capsys):
     assert main(["export", "--module", spec, "-o", str(out)]) == 0
     assert len(rotary_attributes(onnx.load(out))) == 2
     assert "2 rotary node(s) for 2 rotation(s)" in capsys.readouterr().out
-    assert main(["export", "--module", f"{rb.__file__}:sequence_first_factory", "-o", str(out)]) == 2
+    assert main(["export", "--module", f"{rb.__file__}:unfusable_factory", "-o", str(out)]) == 2
     assert "stayed decomposed" in capsys.readouterr().err
-    assert main(["export", "--module", f"{rb.__file__}:sequence_first_factory", "-o", str(out),
+    assert main(["export", "--module", f"{rb.__file__}:unfusable_factory", "-o", str(out),
                  "--allow-decomposed"]) == 0
     for bad, reason in (("no_colon", "expected PACKAGE.MODULE:FACTORY"), ("rope_blocks_missing:f", "importing"),
                         (f"{rb.__file__}:nothing_here", "has no callable 'nothing_here'"),

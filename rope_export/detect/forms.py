@@ -161,13 +161,16 @@ def op_caches(form: RotaryForm, angle_args: tuple[torch.Tensor, ...]) -> tuple[t
 
 
 def _per_token(cache: torch.Tensor, batch: int) -> torch.Tensor:
-    """[S, n] (shared by the batch) -> [B, S, n]; [B, S, n] stays; [B, 1, S, n] / [B, S, 1, n] drop the 1."""
+    """[S, n] or [1, S, n] (shared by the batch) -> [B, S, n]; [B, S, n] stays; [B, 1, S, n] / [B, S, 1, n]
+    drop the 1."""
     if cache.dim() == 4 and 1 in (cache.shape[1], cache.shape[2]):
         cache = cache.squeeze(1) if cache.shape[1] == 1 else cache.squeeze(2)
     if cache.dim() == 2:
         return cache.unsqueeze(0).expand(batch, -1, -1)
     if cache.dim() != 3:
         raise FormError(f"expected cos/sin of shape [B, S, n] or [S, n], got {list(cache.shape)}")
+    if cache.shape[0] == 1 and batch != 1:  # shared by the batch: the op takes one row per token
+        return cache.expand(batch, -1, -1)
     return cache
 
 
@@ -194,14 +197,19 @@ def rotate(form: RotaryForm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return ops.rotary_embedding(x.flatten(2), cos, sin, None, interleaved, heads, partial).view(x.shape)
 
 
-def layout_of(arguments: dict, fixed_layout: str | None) -> str:
-    """The call's layout: from transformers' ``unsqueeze_dim`` argument if the function has one, else fixed."""
+def layout_of(arguments: dict, fixed_layout: str | None, angles: torch.Tensor | None = None) -> str:
+    """The call's layout: from transformers' ``unsqueeze_dim`` argument if the function has one, else fixed.
+
+    ``unsqueeze_dim=0`` (Pixtral) puts cos/sin ``[S, d]`` (or ``[1, S, d]``) at ``[1, S, d]``, which
+    broadcasts against ``[B, H, S, D]`` as one row per token: [B, H, S, D]."""
     if LAYOUT_PARAMETER in arguments:
         value = arguments[LAYOUT_PARAMETER]
         if value in (1, -3):
             return "bhsd"
         if value in (2, -2):
             return "bshd"
+        if value == 0 and angles is not None and (angles.dim() == 2 or (angles.dim() == 3 and angles.shape[0] == 1)):
+            return "bhsd"
         raise FormError(f"unsqueeze_dim={value} is not a layout the op knows (1: [B,H,S,D], 2: [B,S,H,D])")
     return fixed_layout or "bhsd"
 
@@ -211,7 +219,7 @@ def replacement_call(form: RotaryForm, positional: list, arguments: dict, fixed_
     convention = form.convention
     angle_args = tuple(positional[i] for i in convention.angles)
     cos, sin, rotary_dim = op_caches(form, angle_args)
-    layout = layout_of(arguments, fixed_layout)
+    layout = layout_of(arguments, fixed_layout, angle_args[0])
     outputs = [None if positional[i] is None else rotate(form, positional[i], cos, sin, rotary_dim, layout)
                for i in convention.tensors]
     if len(outputs) == 1:
@@ -267,7 +275,7 @@ def _tensors(form: RotaryForm, layout: str, head_dim: int, generator) -> list[to
     return [torch.randn(shape, generator=generator) for shape in shapes[: form.tensors_per_call]]
 
 
-def _difference(got, want) -> float:
+def difference(got, want) -> float:
     got = got if isinstance(got, tuple | list) else (got,)
     want = want if isinstance(want, tuple | list) else (want,)
     if len(got) != len(want) or not all(isinstance(t, torch.Tensor) for t in (*got, *want)):
@@ -302,7 +310,7 @@ def _one_probe(form, function, signature, layout, takes_layout, head_dim, rotary
                                None if takes_layout else layout)
     except (FormError, RuntimeError):
         return float("inf")
-    return _difference(got, want)
+    return difference(got, want)
 
 
 def probe(form: RotaryForm, function: Callable) -> ProbeResult | None:

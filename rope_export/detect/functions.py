@@ -9,6 +9,12 @@ whatever modeling file the attention lives in, or a function imported from elsew
 searched in turn (a wrapper such as Gemma 4's ``apply_multidimensional_rope`` calls the real one),
 to a small depth.
 
+A probe on random inputs calls the function with its default arguments; the block may call it with
+others (a ``half=True`` switch, per-head tables, prefix tokens it leaves alone).
+``checked_on_real_calls`` therefore runs the block once more with every call of each function also
+computed through its replacement, on the block's own arguments: a function whose replacement
+differs there (or fails) is not hooked, and says by how much.
+
 ``rotary_functions_hooked(module)`` swaps each rotary function, at every place a caller looks it
 up, for its form's replacement (one ``torch.ops.rope_export.rotary_embedding`` call per tensor),
 counts the calls, and puts the originals back on exit, also on error. The module itself is not
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from rope_export.detect.forms import FORMS, RotaryForm, probe, replacement_call
+from rope_export.detect.forms import FORMS, RotaryForm, difference, probe, replacement_call
 from rope_export.meta import dict_items_patched, patched
 
 SEARCH_DEPTH = 3  # how many calls deep a rotary function may sit below a method
@@ -282,6 +288,66 @@ def _replacement(rotary: RotaryFunction, state: HookedFunctions) -> Callable:
     replacement.__doc__ = f"rope_export replacement of {name} (active inside rotary_functions_hooked only)"
     replacement.__wrapped_original__ = rotary.function
     return replacement
+
+
+@dataclass
+class RealCallCheck:
+    """One rotary function on the block's own calls: the worst |original - replacement|, or why it failed."""
+
+    function: RotaryFunction
+    calls: int = 0
+    error: float = 0.0
+    failure: str = ""  # the replacement raised, or returned other shapes
+
+    @property
+    def ok(self) -> bool:
+        from rope_export.tolerances import tolerance
+
+        return self.calls > 0 and not self.failure and tolerance("op", "float32").allclose(self.error, 0.0)
+
+    @property
+    def why(self) -> str:
+        """Why the function is not hooked (empty when it is)."""
+        name = self.function.qualified
+        if self.failure:
+            return f"{name}: its replacement ({self.function.form.name}) fails on the block's own call: {self.failure}"
+        if self.calls == 0:
+            return f"{name}: not called by the block's forward"
+        return (f"{name}: on the block's own call its replacement ({self.function.form.name}) differs from it by "
+                f"{self.error:.2e}")
+
+
+def checked_on_real_calls(module: nn.Module, args: tuple, kwargs: dict,
+                          functions: Iterable[RotaryFunction]) -> list[RealCallCheck]:
+    """Run ``module(*args, **kwargs)`` once; each call of each function is answered by the original and
+    compared with its replacement on the same arguments (the block computes what it always does)."""
+    import torch
+
+    checks = [RealCallCheck(f) for f in functions]
+    attributes, entries = [], []
+    for check in checks:
+        original, replacement = check.function.function, _replacement(check.function, HookedFunctions([]))
+
+        def checking(*a, _check=check, _original=original, _replacement=replacement, **kw):
+            want = _original(*a, **kw)
+            _check.calls += 1
+            try:
+                got = _replacement(*a, **kw)
+            except Exception as exc:  # noqa: BLE001 - any refusal of the block's own shapes
+                _check.failure = _check.failure or f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                return want
+            error = difference(got, want)
+            if error == float("inf"):
+                _check.failure = _check.failure or "it returns other shapes than the function"
+            _check.error = max(_check.error, error)
+            return want
+
+        for site in check.function.sites:
+            change = (site.owner, site.name, checking)
+            (entries if isinstance(site.owner, dict) else attributes).append(change)
+    with dict_items_patched(entries), patched(attributes), torch.no_grad():
+        module(*args, **kwargs)
+    return checks
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 
 from rope_export.passes._probe import Probe, ProbeError
-from rope_export.passes._site import Form, SkipSite, tokens_of
+from rope_export.passes._site import Form, tokens_of
 from rope_export.passes._values import (
     INT64_MAX,
     const_array,
@@ -69,9 +69,12 @@ class Trace:
     table: np.ndarray | None = None  # gather: [max_pos, rd/2] after the element-wise steps
     positions: ir.Value | None = None  # gather: the index input
     product: ir.Value | None = None  # graph: a product with this value (its shape: the value broadcast)
+    constant: bool = False  # graph: the value is a constant (a table folded for the traced length)
 
     @property
     def source(self) -> str:
+        if self.constant:
+            return "a constant table of the traced length"
         return {"gather": "Gather(cache, position_ids)", "graph": "as the site computes them"}.get(
             self.kind, "computed in the graph")
 
@@ -401,13 +404,17 @@ def dtype_is_int(value: ir.Value) -> bool:
 
 
 def graph_trace(probe: Probe, value: ir.Value, product: ir.Value, layout: str) -> Trace:
-    """The cos (or sin) value as the site computes it; refused when it is a constant."""
+    """The cos (or sin) value as the site computes it.
+
+    A constant (the exporter folded ``cache[:S]`` or ``cos(arange(S) * inv_freq)`` for the traced
+    length) is a per-token cache all the same: the graph already holds one row per token of the
+    traced sequence, which is all the original graph can run on too."""
+    head_axis = 1 if layout == "bhsd" else 2
     try:
         probe.run([value], {})
     except ProbeError:
-        head_axis = 1 if layout == "bhsd" else 2
         return Trace("graph", head_axis, 3 - head_axis, base=value, product=product)
-    raise SkipSite("cos/sin are constants that do not depend on positions (the export folded them); not fused")
+    return Trace("graph", head_axis, 3 - head_axis, base=value, product=product, constant=True)
 
 
 def graph_per_token_value(op, tr: Trace, form: Form, pairs: bool) -> ir.Value:

@@ -56,6 +56,23 @@ class FusionReport:
 
     records: dict[str, SiteRecord] = field(default_factory=dict)
     larger_form_misses: dict[str, str] = field(default_factory=dict)
+    found: int | None = None  # decomposed rotations in the input, by the graph's evidence (passes.evidence)
+    left: int | None = None  # decomposed rotations in the result, by the same evidence
+
+    @property
+    def complete(self) -> bool:
+        """No rotation the graph's evidence shows was left decomposed (True when not counted)."""
+        return not self.left and (self.found is None or self.num_fused >= self.found)
+
+    def summary(self) -> str:
+        """ "N rotation(s) found, M fused" (and how many are left), from the graph's own evidence."""
+        if self.found is None:
+            return f"fused {self.num_fused} site(s)"
+        text = (f"{self.found} rotation(s) found (cos/sin feeding multiply-add pairs), {self.num_fused} fused"
+                + (f", {self.left} left decomposed" if self.left else ""))
+        if not self.complete:
+            text += "; the table says why each site was left alone"
+        return text
 
     def fused(self, site: str, form: str, detail: str) -> None:
         note = self.larger_form_misses.pop(site, None)
@@ -105,7 +122,7 @@ class Site:
     x: ir.Value  # the op's X (the whole head when partial)
     candidate: Candidate
     form: Form
-    layout: str  # "bhsd" or "bshd"
+    layout: str  # "bhsd", "bshd" or "sbhd" (rewritten as bshd: the op's B and S are the tensor's S and B)
     heads: int | None
     cos: Trace
     sin: Trace
@@ -247,6 +264,9 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
     def _traces(probe: Probe, cand: Candidate, form: Form, layout: str, rank: int) -> tuple[Trace, Trace, str]:
         """(cos trace, sin trace, why the structural trace did not apply, or "")."""
         head_axis = 1 if layout == "bhsd" else 2
+        if layout == "sbhd":  # tokens on axes (0, 1): only the values as the site computes them fit
+            return (graph_trace(probe, cand.cos, cand.cos_product, layout),
+                    graph_trace(probe, cand.sin, cand.cos_product, layout), "")
         dup = None if cand.pairs else ("repeat" if form.interleaved else "cat")
         note = ""
         try:

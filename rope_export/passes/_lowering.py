@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE, RotaryAttrs
-from rope_export.passes._values import FLOAT_TYPES, dim, dtype_name, dtype_of, rank_of
+from rope_export.passes._values import FLOAT_TYPES, dim, dtype_name, dtype_of, rank_of, same_dim
 
 
 @dataclass
@@ -147,12 +147,18 @@ def per_token_caches(op, site: RotarySite, dtype: ir.DataType, valid: ir.Value |
     """[B, S, rd/2] cos/sin in ``dtype``, gathered at clamped rows (``valid`` from token_validity).
 
     Tokens outside the cache read row 0; their result is discarded by ``pass_through``. Without
-    position_ids the caches already are per token and are only cast.
+    position_ids the caches already are per token; caches shared by the batch (``[1, S, rd/2]``,
+    which the node's runtime broadcasts but onnxruntime's kernels refuse at batch > 1) are expanded
+    to X's batch.
     """
     cos, sin = site.cos, site.sin
     if site.position_ids is not None:
         safe = op.Where(valid, site.position_ids, const(op, 0))
         cos, sin = op.Gather(cos, safe, axis=0), op.Gather(sin, safe, axis=0)
+    elif not (same_dim(site.cos, 0, site.x, 0) and same_dim(site.sin, 0, site.x, 0)):
+        batch = op.Concat(op.Slice(op.Shape(site.x), const(op, [0]), const(op, [1]), const(op, [0])),
+                          const(op, [1, 1]), axis=0)  # [B, 1, 1]: broadcasts [1, S, rd/2] to [B, S, rd/2]
+        cos, sin = op.Expand(cos, batch), op.Expand(sin, batch)
     if site.cache_dtype != dtype:
         cos, sin = op.Cast(cos, to=dtype), op.Cast(sin, to=dtype)
     return cos, sin

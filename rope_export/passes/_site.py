@@ -285,8 +285,8 @@ def _read_permutation(moved: np.ndarray) -> Form:
 
 
 def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int, ...]) -> tuple[str, int | None]:
-    """("bhsd" or "bshd", heads): the heads axis is where cos is broadcast (size 1), the sequence
-    where it varies."""
+    """("bhsd", "bshd" or "sbhd", heads): the heads axis is where cos is broadcast (size 1), the sequence
+    where it varies. "sbhd" is fused as "bshd" with the two token axes swapped (per-token caches only)."""
     full, cos = product_shape, cos_shape
     if len(cos) > len(full) or len(full) < 4:
         raise SkipSite(f"cos/sin ({len(cos)}-D) do not broadcast against a 4-D rotated tensor")
@@ -298,8 +298,10 @@ def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int,
     elif cos[2] == 1 and cos[1] == full[1] and full[1] > 1:
         layout = "bshd"
     elif cos[1] == 1 and cos[2] == 1 and cos[0] > 1:
-        raise SkipSite("cos/sin vary along axis 0 only: a [S, B, H, D] layout, which the op cannot take "
-                       "([B, H, S, D] or [B, S, H, D]); transpose before rotating")
+        # [S, B, H, D] (Megatron): without position_ids the op rotates each (axis 0, axis 1) token by its
+        # own cache row, whichever axis is the sequence, so the tensor is taken as [B', S', H, D] with
+        # B' = S, S' = B and per-token caches [S, B, rd/2] (cos broadcast along B)
+        layout = "sbhd"
     elif cos[1] == 1 and cos[2] == 1:
         raise SkipSite("cos/sin do not vary along the sequence axis (axis 1 or 2 of the rotated tensor)")
     else:
@@ -307,8 +309,8 @@ def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int,
     if x.shape is None or x.shape.rank() != 4:
         raise SkipSite(f"the rotated tensor is {x.shape.rank() if x.shape is not None else 'of unknown rank'}"
                        "-D; only 4-D [B, H, S, D] / [B, S, H, D] is fused")
-    heads = dim(x, 2) if layout == "bshd" else dim(x, 1)
-    if layout == "bshd" and heads is None:
+    heads = dim(x, 1) if layout == "bhsd" else dim(x, 2)
+    if layout != "bhsd" and heads is None:
         raise SkipSite("[B, S, H, D] tensor with a non-static head count (the fused op needs num_heads)")
     return layout, heads
 

@@ -122,9 +122,15 @@ def _run_fuse(args) -> int:
         table.add_row(row.site, f"[{style}]{row.status}[/{style}]" if style else row.status, row.form, row.detail)
     if report.records:
         console.print(table)
-    else:
+    elif not report.found:
         console.print("no decomposed RoPE found")
-    console.print(f"fused {report.num_fused} site(s): {args.output}")
+    console.print(f"{report.summary()}: {args.output}")
+    if not report.complete:
+        left = report.left if report.left else report.found - report.num_fused
+        print(f"rope-export fuse: warning: {left} rotation(s) stayed decomposed in {args.output} (written all the "
+              "same); the table above says why each was left alone", file=sys.stderr)
+        if report.num_fused == 0:
+            return 1  # nothing of what was found was fused: not a silent success
     return 0
 
 

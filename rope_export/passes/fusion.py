@@ -32,7 +32,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
-from rope_export.passes import fuse_pairs, fuse_rotation, fuse_standard_op, validation
+from rope_export.passes import evidence, fuse_pairs, fuse_rotation, fuse_standard_op, validation
 from rope_export.passes._fusing import STAGES, FusionReport
 from rope_export.passes._model import PassError, from_ir, infer_shapes, onnx_opset, remove_unused, to_ir
 from rope_export.passes._probe import Probe
@@ -48,6 +48,9 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
     returned) or a path. ``report``: a FusionReport that receives one row per site seen.
     ``adopt_standard``: also rename ai.onnx RotaryEmbedding-23 nodes to rope_export's (same
     semantics); by default they are reported and kept.
+    The report also counts the decomposed rotations before and after from the graph's own evidence
+    (``passes.evidence``: cos/sin feeding multiply-add pairs), so a file where rotations stayed
+    decomposed says so (``report.summary()``, ``report.complete``).
     ``validate``: check every rope_export node of the result (stored cache types and widths, cos² + sin²
     one constant) and run each once on onnx.reference against the op contract in NumPy
     (``passes.validation``; ``rope-export fuse`` always does).
@@ -69,6 +72,7 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
                 report.seen(node.outputs[0].name, "other rotary op", f"{node.domain or 'ai.onnx'}::{OP_TYPE}",
                             "kept as is" + hint)
     infer_shapes(ir_model)
+    report.found = evidence.count_rotations(ir_model)
     fused = 0
     # one memo (site analyses, caches) and one set of probe sizes for every stage; the rules are
     # built once (building onnxscript patterns is not free)
@@ -85,6 +89,7 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
         ir_model.opset_imports.setdefault(DOMAIN, OP_VERSION)
         remove_unused(ir_model)
         infer_shapes(ir_model)
+    report.left = evidence.count_rotations(ir_model)
     if validate:
         nodes = [n for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)
                  if n.domain == DOMAIN and n.op_type == OP_TYPE]

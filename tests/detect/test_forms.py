@@ -190,3 +190,20 @@ def test_meta_reference_apply_rotary_emb_verifies_as_complex():
     from rope_blocks import meta_reference  # Meta's llama_models/llama3/model.py, from the installed file
 
     assert verified_forms(meta_reference().apply_rotary_emb) == ["complex"]
+
+
+@pytest.mark.parametrize("unsqueeze_dim,shape", [(0, (6, 16)), (1, (1, 6, 16))], ids=["pixtral-[S,D]", "[1,S,D]"])
+def test_tables_shared_by_the_batch_give_the_callers_rotation(unsqueeze_dim, shape):
+    """Pixtral calls apply_rotary_pos_emb(..., unsqueeze_dim=0) with cos [S, D]; transformers' LMs may pass
+    cos [1, S, D] at batch 2: the replacement equals transformers' own function on both."""
+    from transformers.models.pixtral.modeling_pixtral import apply_rotary_pos_emb
+
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 6, 16, generator=g), torch.randn(2, 2, 6, 16, generator=g)
+    theta = torch.rand(6, 8, generator=g) * 6
+    cos, sin = torch.cat((theta, theta), -1).cos().reshape(shape), torch.cat((theta, theta), -1).sin().reshape(shape)
+    got = replacement_call(FORMS["rotate-half"], [q, k, cos, sin], {"unsqueeze_dim": unsqueeze_dim}, None)
+    want = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    for g_, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-5)

@@ -65,8 +65,17 @@ def test_fuse_prints_the_table_and_writes_the_file(main, tmp_path, capsys):
     onnx.save(torchscript(Rope("computed-not-duplicated")), tmp_path / "odd.onnx")
     assert main(["fuse", str(tmp_path / "in.onnx"), "-o", str(tmp_path / "out.onnx")]) == 0
     out = capsys.readouterr().out
-    assert "fused" in out and "table + position_ids" in out and "fused 1 site(s)" in out
+    assert "fused" in out and "table + position_ids" in out
+    assert "1 rotation(s) found (cos/sin feeding multiply-add pairs), 1 fused:" in out
     assert sum(n.domain == DOMAIN for n in onnx.load(tmp_path / "out.onnx").graph.node) == 1
-    assert main(["fuse", str(tmp_path / "odd.onnx"), "-o", str(tmp_path / "odd_out.onnx")]) == 0
-    out = capsys.readouterr().out
-    assert "left alone" in out and "fused 0 site(s)" in out
+
+
+def test_fuse_that_fuses_nothing_of_what_it_found_warns_and_fails(main, tmp_path, capsys):
+    """A rotation look-alike (sin of twice cos's angles) is multiply-add arithmetic on cos/sin: counted as
+    found, left alone with the reason, and "0 of 1" is a warning and exit status 1, not a quiet success."""
+    onnx.save(torchscript(Rope("computed-not-duplicated")), tmp_path / "odd.onnx")
+    assert main(["fuse", str(tmp_path / "odd.onnx"), "-o", str(tmp_path / "odd_out.onnx")]) == 1
+    captured = capsys.readouterr()
+    assert "left alone" in captured.out and "1 rotation(s) found (cos/sin feeding multiply-add pairs), 0 fused, " \
+        "1 left decomposed" in captured.out
+    assert "warning: 1 rotation(s) stayed decomposed" in captured.err and (tmp_path / "odd_out.onnx").is_file()

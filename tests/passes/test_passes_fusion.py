@@ -60,6 +60,7 @@ def test_fuses_every_site_and_computes_the_same(family, exporter):
     form, partial, layout = EXPECTED[family]
     nodes = _custom_nodes(fused)
     assert len(nodes) == 2 and report.num_fused == 2, report.as_text()  # q and k
+    assert (report.found, report.left) == (2, 0)  # the graph's own evidence, independent of the rules
     assert all(r.status == "fused" for r in report.rows()), report.as_text()
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}

@@ -8,9 +8,9 @@ import itertools
 import numpy as np
 import onnx
 import pytest
-from passes_util import as_f32, ops_of, rotary_case, run_ort, run_reference
+from passes_util import as_f32, ops_of, reference_output, rotary_case, run_ort, run_reference
 
-from rope_export.contract import DOMAIN
+from rope_export.contract import DOMAIN, RotaryAttrs
 from rope_export.passes import TARGETS, LoweringLog, PassError, lower
 from rope_export.tolerances import tolerance
 
@@ -111,3 +111,21 @@ def test_ir_model_is_accepted_and_returned():
     assert isinstance(lowered, ir.Model)
     got = run_ort(ir.to_proto(lowered), feeds)[0]
     assert tolerance("op", "float32").allclose(got, expected)
+
+
+@pytest.mark.parametrize("target", ["onnx", "ort", "decomposed"])
+@pytest.mark.parametrize("layout", ["bhsd", "bsd"])
+def test_caches_shared_by_the_batch_are_expanded_for_onnxruntime(target, layout):
+    """Per-token caches [1, S, rd/2] under X of batch 3: onnxruntime's kernels refuse them as they are
+    ("got 1 and 3"), so the lowering expands them to X's batch; the result is the contract's per batch row."""
+    model, feeds, _ = rotary_case(layout, with_pos=False, static_dims=False, batch=3, seed=5, rd=8)
+    for value in model.graph.input[1:]:  # cos, sin: [1, s, rd/2]
+        value.type.tensor_type.shape.dim[0].Clear()
+        value.type.tensor_type.shape.dim[0].dim_value = 1
+    cos, sin = feeds["cos"][:1], feeds["sin"][:1]
+    feeds = dict(feeds, cos=cos, sin=sin)
+    heads = 3
+    attrs = RotaryAttrs(False, heads if layout == "bsd" else 0, 8)
+    expected = reference_output(feeds["x"], np.repeat(cos, 3, axis=0), np.repeat(sin, 3, axis=0), None, attrs)
+    lowered = lower(model, target, validate=True)
+    assert tolerance("op", "float32").allclose(run_ort(lowered, feeds)[0], expected)
