@@ -55,7 +55,7 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _set(model: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    """Make ``model``'s parameter ``name`` (on meta) ``tensor`` in ``dtype`` (shared, not copied, when it already is)."""
+    """Make ``model``'s parameter ``name`` (on meta) ``tensor`` in ``dtype`` (shared, not copied, when already so)."""
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner) if owner else model
     old = module._parameters[leaf]
@@ -68,7 +68,8 @@ def _set_all(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dt
     converted: dict[int, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if id(tensor) not in converted:
-            converted[id(tensor)] = tensor if tensor.dtype == dtype or not tensor.is_floating_point() else tensor.to(dtype)
+            same = tensor.dtype == dtype or not tensor.is_floating_point()
+            converted[id(tensor)] = tensor if same else tensor.to(dtype)
         _set(model, name, converted[id(tensor)], dtype)
 
 
