@@ -157,7 +157,8 @@ def check(
     positions_in = tuple(dict.fromkeys(s.name for sl in slices for s in sl.position_inputs if len(s.dims or ()) == 2))
     plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()
                         if v is not None}, position_limit=position_limit, past_end_allowed=past_end,
-                     vocab=vocab if isinstance(vocab, int) else None, position_inputs=positions_in)
+                     vocab=vocab if isinstance(vocab, int) else None, position_inputs=positions_in,
+                     original_context=rope.original_max_position_embeddings if rope is not None else None)
     for name in ("batch", "seq", "long_seq"):
         if getattr(plan, name) < 1:
             raise CheckError(f"--{name.replace('_', '-')} must be at least 1")
