@@ -166,3 +166,10 @@ def test_unknown_precision_is_one_clear_error():
 
     with pytest.raises(CheckError, match="unknown reference precision 'fp8'; choose from auto, fp32, fp64, none"):
         check(fp16_file(), precision="fp8", **SMALL)
+
+
+def test_float64_reference_for_a_small_model():
+    report = check(fp16_file(), precision="fp64", **SMALL)
+    assert report.passed and "run layer by layer in fp64 and in fp16" in report.reference
+    (runner,) = report.compared
+    assert runner.layers is not None and runner.layers.first_outside is None
