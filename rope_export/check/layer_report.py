@@ -1,8 +1,9 @@
 """The per-layer part of the check report: lines for Markdown and the console, and ``error_vs_layer.png``.
 
 One series per runner (its max abs error after each decoder layer against the higher-precision
-reference) and one for PyTorch in the file's dtype, on a log axis, with the envelope the runners are
-held to (``tolerances.against_pytorch``) shaded; a runner that leaves it is marked at its first layer.
+reference, in each layer's case closest to its bound) and PyTorch's in the file's dtype in the same
+cases, on a log axis, with the envelope (``tolerances.against_pytorch``) shaded; a runner that
+leaves it is marked at its first layer.
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ def layer_lines(report, markdown: bool = True) -> list[str]:
     for r in series:
         lines.append(f"{'- ' if markdown else ''}{r.runner} per layer: {summary_line(r.layers)}")
     if markdown:
-        header = "| layer | PyTorch " + report.dtype + " | " + " | ".join(r.runner for r in series) + " | bound |"
-        lines += ["", header, "|" + "---|" * (3 + len(series))]
-        for i, pytorch in enumerate(report.pytorch_layers or []):
-            cells = " | ".join(f"{r.layers.errors[i]:.3g}" for r in series)
-            bound = min(r.layers.bounds[i] for r in series)
-            lines.append(f"| {i} | {pytorch:.3g} | {cells} | {bound:.3g} |")
+        lines += ["", "Each layer's case closest to its bound: the runner's error, PyTorch's in the same case, their "
+                  "ratio and the bound.", "",
+                  "| layer | runner | case | runner error | PyTorch " + report.dtype + " | ratio | bound |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in series:
+            for i, (err, pt, bound) in enumerate(zip(r.layers.errors, r.layers.pytorch, r.layers.bounds, strict=True)):
+                ratio = f"{err / pt:.2f}" if pt > 0 else ""
+                lines.append(f"| {i} | {r.runner} | {r.layers.worst_cases[i]} | {err:.3g} | {pt:.3g} | {ratio} | "
+                             f"{bound:.3g} |")
     return lines
 
 
@@ -51,13 +55,14 @@ def plot_error_vs_layer(report, path: str | os.PathLike) -> bool:
         return False
     layers = range(len(report.pytorch_layers))
     fig, ax = plt.subplots(figsize=(9, 4.2), dpi=110)
-    bound = [min(r.layers.bounds[i] for r in series) for i in layers]
-    values = [v for v in [*report.pytorch_layers, *bound, *(e for r in series for e in r.layers.errors)] if v > 0]
+    bound = series[0].layers.bounds  # each layer's case closest to its bound (LayerErrors), PyTorch's in that case
+    pytorch = series[0].layers.pytorch
+    values = [v for v in [*pytorch, *bound, *(e for r in series for e in r.layers.errors)] if v > 0]
     floor = min(values, default=1e-12) / 3  # log axis: the y range follows the data; exact zeros at its floor
     ax.fill_between(layers, floor, bound, color="tab:green", alpha=0.12, label="PyTorch's envelope (the bound)")
     ax.plot(layers, bound, color="tab:green", linewidth=1)
-    ax.plot(layers, [max(e, floor) for e in report.pytorch_layers], "k--", linewidth=1.5,
-            label=f"PyTorch in {report.dtype}")
+    ax.plot(layers, [max(e, floor) for e in pytorch], "k--", linewidth=1.5,
+            label=f"PyTorch in {report.dtype} (same case)")
     styles = ["o-", "s-", "^-", "D-", "v-"]
     for k, r in enumerate(series):
         ax.plot(layers, [max(e, floor) for e in r.layers.errors], styles[k % len(styles)], linewidth=1.2,
