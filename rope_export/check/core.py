@@ -122,13 +122,6 @@ def check(
     dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
     layers = _layers(mf)
     tol = for_layers(tolerance("block", DTYPES[dtype]), layers)
-    measured = bool(getattr(ref, "streams", lambda: False)())
-    rule = against_pytorch(DTYPES[dtype]) if measured else None
-    if measured:
-        notes.append(f"pass rule, measured: {rule.describe()} (rope_export.tolerances.against_pytorch)")
-    elif layers > 1:
-        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.tolerances.for_layers): no "
-                     "higher-precision reference for this file")
     rope = preset.rope if preset else (hf_info.rope if hf_info else None)
     position_limit = preset.position_limit if preset else (hf_info.position_limit if hf_info else None)
     position_limit = position_limit or ref.position_limit
@@ -184,6 +177,14 @@ def check(
     except Exception as exc:  # noqa: BLE001 - the reference refusing these inputs is the file's problem
         raise CheckError(f"the reference ({ref.label}) cannot run the inputs: {first_line(exc)}") from None
     say(f"reference done in {time.perf_counter() - started:.1f} s")
+    measured = bool(getattr(ref, "streams", lambda: False)())  # after the run: a stream that could not run fell back
+    rule = against_pytorch(DTYPES[dtype]) if measured else None
+    notes += [ref.fallback_note] if getattr(ref, "fallback_note", "") else []
+    if measured:
+        notes.append(f"pass rule, measured: {rule.describe()} (rope_export.tolerances.against_pytorch)")
+    elif layers > 1:
+        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.tolerances.for_layers): no "
+                     "higher-precision reference for this file")
     layer_names, pytorch_layers = [], None
     if measured and ref.reference_states:
         layer_names, why = layer_outputs(mf.proto.graph, len(ref.reference_states[0]))

@@ -173,3 +173,20 @@ def test_float64_reference_for_a_small_model():
     assert report.passed and "run layer by layer in fp64 and in fp16" in report.reference
     (runner,) = report.compared
     assert runner.layers is not None and runner.layers.first_outside is None
+
+
+def test_checkpoint_not_readable_by_layer_falls_back_with_a_note(tmp_path):
+    """A .bin checkpoint cannot be read a layer at a time: the whole model in fp16 is the reference, as before."""
+    import torch
+
+    from rope_export import hf
+
+    config = transformers.LlamaConfig(**json.loads(dict((p.key, p.value) for p in fp16_file().metadata_props)
+                                                   ["rope_export.hf_config"]))
+    model = hf.build_hf_model(config, seed=0, dtype="fp16")
+    config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    report = check(fp16_file(), weights=tmp_path, **SMALL)
+    assert report.passed and report.rule is None
+    assert any(n.startswith("no fp32 reference layer by layer (CheckError:") and ".bin" in n for n in report.notes)
+    assert "layer by layer" not in report.reference
