@@ -217,7 +217,7 @@ class TransformersReference(Reference):
             source = CheckpointWeights(self.weights, skeleton(auto, self.config, file_dtype, options))
         else:
             source = RandomWeights(auto, self.config, file_dtype, self.info.seed, options)
-        say(f"running {self.label} layer by layer in {self.precision} and in {self.info.dtype} on {len(cases)} cases")
+        say(f"running {self.label} on {len(cases)} cases")
         reference, pytorch = stream_causal_lm(auto, self.config, source, [ref_dtype, file_dtype],
                                               [c.feeds for c in cases], self.layers, options, say)
         self.pytorch_outputs, self.pytorch_states = pytorch.outputs, pytorch.layer_states
