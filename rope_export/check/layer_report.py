@@ -30,8 +30,8 @@ def layer_lines(report, markdown: bool = True) -> list[str]:
         return []
     lines = []
     if markdown:
-        lines += ["", "## Error after each decoder layer (max abs over the cases, against the higher-precision "
-                  "reference)", ""]
+        lines += ["", "## Error after each decoder layer (max abs over the hidden state, against the "
+                  "higher-precision reference)", ""]
     for r in series:
         lines.append(f"{'- ' if markdown else ''}{r.runner} per layer: {summary_line(r.layers)}")
     if markdown:
