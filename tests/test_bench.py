@@ -208,3 +208,18 @@ def test_interleaved_rounds_rotate_and_take_medians():
 def test_bad_arguments_are_refused():
     assert bench.main(["--smoke", "--sections", "rope,nope"]) == 2
     assert bench.main(["--smoke", "--threads", "0"]) == 2
+
+
+def test_scale_check_note_gives_the_ratio_to_pytorch_and_the_layer_verdict(tmp_path):
+    from rope_export.bench.scale import check_note
+
+    stats = [{"output": "logits", "max_abs": 0.03, "ratio_to_pytorch": 0.6},
+             {"output": "present.0.key", "max_abs": 0.01, "ratio_to_pytorch": 1.3}]
+    report = {"passed": True, "reference": "transformers Llama (fp16, random weights, seed 0), run layer by layer",
+              "runners": [{"runner": "onnxruntime-cpu", "status": "pass", "max_abs_error": 0.03,
+                           "reason": "run in 13 pieces, one session each", "cases": {"prefill": stats},
+                           "error_by_layer": {"errors": [0.1] * 32, "first_outside": None}}]}
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps(report))
+    assert check_note(path) == ("passed against transformers Llama: onnxruntime-cpu pass (max abs 0.03, 13 pieces), "
+                                "worst 1.30x PyTorch's own fp error, within PyTorch's envelope at all 32 layers")

@@ -260,6 +260,15 @@ def check_note(report_json: Path) -> str:
             text += f" (max abs {r['max_abs_error']:.2g}"
             pieces = re.search(r"run in (\d+) pieces", r.get("reason", ""))
             text += f", {pieces.group(1)} pieces)" if pieces else ")"
+        ratios = [s["ratio_to_pytorch"] for stats in r.get("cases", {}).values() for s in stats
+                  if s.get("ratio_to_pytorch") is not None]
+        if ratios:
+            text += f", worst {max(ratios):.2f}x PyTorch's own fp error"
+        layers = r.get("error_by_layer") or {}
+        if layers:
+            first = layers.get("first_outside")
+            text += (f", leaves PyTorch's envelope at layer {first}" if first is not None else
+                     f", within PyTorch's envelope at all {len(layers.get('errors', []))} layers")
         if sweep:
             text += f", nodes alone {sweep}"
         parts.append(text)

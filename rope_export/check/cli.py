@@ -77,7 +77,14 @@ def register(subparsers) -> None:
                         help="run onnxruntime CPU in consecutive pieces, one session of at most this at a time, when "
                              "one session would take more (default: only when one session exceeds --memory-limit, "
                              "then pieces of at most 4 GB)")
-    parser.add_argument("--report", metavar="DIR", help="write check.json, check.md and error_vs_position.png here")
+    parser.add_argument("--reference-precision", choices=("auto", "fp32", "fp64", "none"), default="auto",
+                        help="a transformers causal LM is run layer by layer (one layer's weights in memory) in this "
+                             "precision and in the file's dtype, and each runner's error is held to PyTorch's own "
+                             "error in the file's dtype, per output and per decoder layer; auto: fp32 for fp16/bf16 "
+                             "files, none for others (none: one run in the file's dtype, sqrt(layers) tolerance)")
+    parser.add_argument("--report", metavar="DIR",
+                        help="write check.json, check.md, error_vs_position.png and (per-layer errors) "
+                             "error_vs_layer.png here")
     parser.add_argument("--summary-json", metavar="PATH",
                         help="write the time and peak RSS of each step (reference, each runner, each piece) as JSON")
     parser.add_argument("--plugin", metavar="LIB", help="TensorRT plugin library for the tensorrt runner")
@@ -99,7 +106,8 @@ def _run(args) -> int:
                        seq=args.seq, past=args.past,
                        long_seq=args.long_seq, sweep=not args.no_sweep, plugin_library=args.plugin,
                        memory_limit_gb=args.memory_limit, max_in_memory_gb=args.max_in_memory,
-                       piece_limit_gb=args.piece_limit, progress=progress, **module)
+                       piece_limit_gb=args.piece_limit, precision=args.reference_precision, progress=progress,
+                       **module)
         if report.weights:  # which weights the transformers reference was built with
             progress.facts["weights"] = report.weights
     print_report(report, console)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rope_export.tolerances import Tolerance
+from rope_export.tolerances import AgainstPyTorch, Tolerance
 
 
 @dataclass
@@ -23,6 +23,18 @@ class OutputStats:
     mean_rel: float
     passed: bool
     problem: str = ""  # why the comparison could not be made (shape or dtype), when it could not
+    # against a higher-precision reference: PyTorch's own max abs error in the file's dtype, and the bound it sets
+    pytorch_max_abs: float | None = None
+    bound: float | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """This runner's error over PyTorch's (both against the higher-precision reference)."""
+        if self.pytorch_max_abs is None:
+            return None
+        if self.pytorch_max_abs > 0:
+            return self.max_abs / self.pytorch_max_abs
+        return float("inf") if self.max_abs > 0 else 0.0
 
 
 def compare_output(name: str, actual, expected, tol: Tolerance) -> OutputStats:
@@ -50,6 +62,22 @@ def compare_output(name: str, actual, expected, tol: Tolerance) -> OutputStats:
         same_specials and tol.allclose(a_f, b_f),
         "" if same_specials else "inf/NaN where the reference has none (or the other way round)",
     )
+
+
+def compare_against_pytorch(name: str, actual, expected, pytorch, tol: Tolerance, rule: AgainstPyTorch) -> OutputStats:
+    """``compare_output``'s statistics, passed by the measured rule: error(actual vs the higher-precision
+    ``expected``) <= rule.bound(error(PyTorch in the file's dtype vs ``expected``)) (``tolerances`` module doc)."""
+    stats = compare_output(name, actual, expected, tol)
+    if stats.problem and stats.max_abs == float("inf"):
+        return stats
+    reference = compare_output(name, pytorch, expected, tol)
+    b = np.asarray(expected, np.float64)
+    finite = b[np.isfinite(b)]
+    scale = float(np.sqrt(np.mean(finite * finite))) if finite.size else 0.0
+    stats.pytorch_max_abs = reference.max_abs
+    stats.bound = rule.bound(reference.max_abs, scale)
+    stats.passed = not stats.problem and stats.max_abs <= stats.bound
+    return stats
 
 
 def token_errors(actual, expected) -> np.ndarray | None:

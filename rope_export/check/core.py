@@ -13,9 +13,10 @@ import onnx
 
 from rope_export.bounds import format_bytes
 from rope_export.check import cache_rows
-from rope_export.check.compare import compare_output, token_errors, token_limit_ratios
+from rope_export.check.compare import compare_against_pytorch, compare_output, token_errors, token_limit_ratios
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
+from rope_export.check.layer_errors import compare_layers, layer_outputs, pytorch_layer_errors
 from rope_export.check.layer_rope import slice_ropes
 from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
 from rope_export.check.model_file import CheckError, ModelFile, free_memory, memory_limit_bytes
@@ -34,7 +35,9 @@ from rope_export.check.runners import (
     run_cases,
 )
 from rope_export.export import DTYPES
-from rope_export.tolerances import for_layers, tolerance
+from rope_export.tolerances import against_pytorch, for_layers, tolerance
+
+PRECISIONS = ("auto", "fp32", "fp64", "none")
 
 
 def _raw_positions(mf: ModelFile) -> bool:
@@ -67,12 +70,16 @@ def check(
     memory_limit_gb: float | None = None,
     max_in_memory_gb: float | None = None,
     piece_limit_gb: float | None = None,
+    precision: str = "auto",
     progress=None,
 ) -> CheckReport:
     """Run every runner on the file and compare with its reference (see ``rope_export.check``).
 
     ``module`` (with ``args``/``kwargs``, the example it was exported with): the PyTorch module a file of
-    ``export_module`` came from, run on every case as the reference (``check.module_reference``)."""
+    ``export_module`` came from, run on every case as the reference (``check.module_reference``).
+    ``precision``: the layer-streamed reference of a transformers causal LM (``references.choose_reference``)."""
+    if precision not in PRECISIONS:
+        raise CheckError(f"unknown reference precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     say = progress or (lambda message: None)
     runners = tuple(runners)
     check_runner_names(runners)
@@ -106,7 +113,7 @@ def check(
         ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
                                       hf_config=hf_config, weights=None if weights is None else str(weights),
                                       seed=seed, random_weights=random_weights, reference_block=reference_block,
-                                      limits=limits)
+                                      precision=precision, limits=limits)
     notes = metadata_notes + notes
     if mf.contrib_ops:
         notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest of the "
@@ -115,8 +122,6 @@ def check(
     dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
     layers = _layers(mf)
     tol = for_layers(tolerance("block", DTYPES[dtype]), layers)
-    if layers > 1:
-        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.tolerances.for_layers)")
     rope = preset.rope if preset else (hf_info.rope if hf_info else None)
     position_limit = preset.position_limit if preset else (hf_info.position_limit if hf_info else None)
     position_limit = position_limit or ref.position_limit
@@ -145,7 +150,8 @@ def check(
     positions_in = tuple(dict.fromkeys(s.name for sl in slices for s in sl.position_inputs if len(s.dims or ()) == 2))
     plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()
                         if v is not None}, position_limit=position_limit, past_end_allowed=past_end,
-                     vocab=vocab if isinstance(vocab, int) else None, position_inputs=positions_in)
+                     vocab=vocab if isinstance(vocab, int) else None, position_inputs=positions_in,
+                     original_context=rope.original_max_position_embeddings if rope is not None else None)
     for name in ("batch", "seq", "long_seq"):
         if getattr(plan, name) < 1:
             raise CheckError(f"--{name.replace('_', '-')} must be at least 1")
@@ -171,6 +177,22 @@ def check(
     except Exception as exc:  # noqa: BLE001 - the reference refusing these inputs is the file's problem
         raise CheckError(f"the reference ({ref.label}) cannot run the inputs: {first_line(exc)}") from None
     say(f"reference done in {time.perf_counter() - started:.1f} s")
+    measured = bool(getattr(ref, "streams", lambda: False)())  # after the run: a stream that could not run fell back
+    rule = against_pytorch(DTYPES[dtype]) if measured else None
+    notes += [ref.fallback_note] if getattr(ref, "fallback_note", "") else []
+    if measured:
+        notes.append(f"pass rule, measured: {rule.describe()} (rope_export.tolerances.against_pytorch)")
+    elif layers > 1:
+        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.tolerances.for_layers): no "
+                     "higher-precision reference for this file")
+    layer_names, pytorch_layers = [], None
+    if measured and ref.reference_states:
+        layer_names, why = layer_outputs(mf.proto.graph, len(ref.reference_states[0]))
+        if layer_names:
+            mf.add_layer_outputs(layer_names, next(s.elem_type for s in mf.outputs if s.name == "logits"))
+            pytorch_layers = pytorch_layer_errors(ref.reference_states, ref.pytorch_states)
+        else:
+            notes.append(f"no error per decoder layer: {why}")
     free_memory(mf.weight_bytes)
     compared_outputs = ref.expected_outputs(mf)
     missing = [o.name for o in mf.outputs if o.name not in compared_outputs]
@@ -209,7 +231,11 @@ def check(
             mf.release()
             free_memory(mf.weight_bytes)
         say(f"[{i}/{len(runners)}] {name}: done in {time.perf_counter() - started:.1f} s")
-        reports.append(_compare(name, note, latency, cases, actual, expected, compared_outputs, tol))
+        pytorch = ref.pytorch_outputs if measured else None
+        reports.append(_compare(name, note, latency, cases, actual, expected, compared_outputs, tol, pytorch, rule))
+        if pytorch_layers is not None:
+            reports[-1].layers = compare_layers(name, actual, [c.name for c in cases], ref.reference_states,
+                                                pytorch_layers, rule)
 
     if sweep and slices:
         results, sweep_notes = cache_rows.sweep(
@@ -228,7 +254,8 @@ def check(
                      "path in turn")
     return CheckReport(
         model=mf.label, reference=ref.label, against=_short(ref), independent=ref.independent, dtype=dtype,
-        tolerance=tol, runners=reports, tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
+        tolerance=tol, rule=rule, pytorch_layers=_max_per_layer(pytorch_layers), runners=reports,
+        tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
         preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]),
         weights=getattr(ref, "weights_source", {}))
 
@@ -252,16 +279,25 @@ def _short(ref) -> str:
     return label
 
 
-def _compare(name, note, latency, cases, actual, expected, outputs, tol) -> RunnerReport:
+def _max_per_layer(errors: list[list[float]] | None) -> list[float] | None:
+    return None if errors is None else [max(per_case) for per_case in zip(*errors, strict=True)]
+
+
+def _compare(name, note, latency, cases, actual, expected, outputs, tol, pytorch=None, rule=None) -> RunnerReport:
+    """Each case's outputs against the reference: by ``rule`` against PyTorch's own error where ``pytorch``
+    (its outputs in the file's dtype) is given, else by ``tol``."""
     report = RunnerReport(name, "pass", note.strip(" ()"), latency)
-    for case, got, want in zip(cases, actual, expected, strict=True):
+    for k, (case, got, want) in enumerate(zip(cases, actual, expected, strict=True)):
         stats = []
         for output in outputs:
             if output not in got:
                 stats.append(compare_output(output, np.zeros(0), np.zeros(1), tol))
                 stats[-1].problem = "the runner gave no such output"
                 continue
-            stats.append(compare_output(output, got[output], want[output], tol))
+            if pytorch is not None:
+                stats.append(compare_against_pytorch(output, got[output], want[output], pytorch[k][output], tol, rule))
+            else:
+                stats.append(compare_output(output, got[output], want[output], tol))
         report.cases[case.name] = stats
         if case.positions is not None:
             for output in outputs:  # the first output with one row per token: error by position

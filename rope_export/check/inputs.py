@@ -8,7 +8,9 @@ and axis); a static dim is kept and, where it fixes the batch or a length, every
 
 The stress cases (``stress_cases``) are the RoPE ones: a prefill, a long sequence, large
 activations, decode steps with a past, positions at the middle and at the end of the position
-range, past the end where the file allows it, and (for multimodal RoPE) three different position
+range, on both sides of the RoPE's original context (LongRoPE's and dynamic NTK's switch; each a
+decode step whose positions are offset from its short past, so memory stays bounded), past the end
+where the file allows it, and (for multimodal RoPE) three different position
 rows. Or the user's feeds: ``--inputs feeds.npz`` (one case) or a polygraphy-style data-loader
 script ``loader.py[:load_data]`` (a function yielding feed dicts, one case each).
 """
@@ -51,6 +53,9 @@ class InputPlan:
     vocab: int | None = None
     seed: int = 1
     position_inputs: tuple[str, ...] = ()  # inputs the rotary nodes' positions flow from, whatever their names
+    # the RoPE's original context (original_max_position_embeddings) when it is inside the range: LongRoPE and
+    # dynamic NTK switch there, llama3/YaRN scaling is what carries a model past it
+    original_context: int | None = None
 
 
 def input_role(spec: TensorSpec) -> str:
@@ -212,6 +217,11 @@ def stress_cases(mf: ModelFile, plan: InputPlan, memory_limit: int) -> tuple[lis
     else:
         tail = min(4, limit)
         specs_.append(("prefill-end-of-positions", Sizes(b, tail, 0), limit - tail, 1.0, False))
+    edge = plan.original_context
+    if has_past and edge is not None and 0 < edge < (limit or 0) - 1 and limit // 2 != edge:
+        # both sides of the original context by a position offset (a past of p tokens, not a long sequence)
+        specs_ += [("decode-original-context-end", Sizes(b, 1, p), edge - 1, 1.0, False),
+                   ("decode-past-original-context", Sizes(b, 1, p), edge, 1.0, False)]
     if limit is not None and plan.past_end_allowed:
         specs_.append(("past-end-of-positions", Sizes(b, 4, 0), limit - 2, 1.0, False))
     if position_rank == 3:

@@ -91,6 +91,7 @@ class ModelFile:
         self._value_types: dict[str, TensorSpec] | None = None
         self.contrib_ops: list[str] = []  # onnxruntime's own ops in the file (set by _validate)
         self._full: onnx.ModelProto | None = proto if weights_loaded else None
+        self.added_outputs: list[str] = []  # graph outputs check added in memory (``add_layer_outputs``)
 
     @property
     def label(self) -> str:
@@ -185,7 +186,29 @@ class ModelFile:
         """The ModelProto with every weight in memory (one copy, kept for the next runner that asks)."""
         if self._full is None:
             self._full = onnx.load(str(self.path))
+            if self.added_outputs:
+                from rope_export.check.layer_errors import add_layer_outputs
+
+                names = [n.input[0] for n in self.proto.graph.node if n.output and n.output[0] in self.added_outputs]
+                elem = self.proto.graph.output[-1].type.tensor_type.elem_type
+                add_layer_outputs(self._full.graph, names, elem)
         return self._full
+
+    def add_layer_outputs(self, names: list[str], elem_type: int) -> list[str]:
+        """Make the values after each decoder layer graph outputs of the in-memory graph (never of the file),
+        for every runner that runs it; the file's own outputs (``self.outputs``) are unchanged."""
+        from rope_export.check.layer_errors import add_layer_outputs
+
+        if self.path is None and not self.added_outputs:  # the caller's ModelProto is not ours to change
+            copy = onnx.ModelProto()
+            copy.CopyFrom(self.proto)
+            self.proto = copy
+            if self.weights_loaded:
+                self._full = copy
+        self.added_outputs = add_layer_outputs(self.proto.graph, names, elem_type)
+        if self._full is not None and self._full is not self.proto:
+            add_layer_outputs(self._full.graph, names, elem_type)
+        return self.added_outputs
 
     def release(self) -> None:
         """Drop the in-memory weights (when they were loaded for a runner) before the next one runs."""

@@ -172,7 +172,60 @@ class TransformersReference(Reference):
         except (ValueError, OSError) as exc:
             raise CheckError(f"transformers cannot build the model: {exc}") from None
 
+    # "fp32"/"fp64": a causal LM is run layer by layer in that precision (the reference) and in the file's
+    # dtype (PyTorch's own error), with the same weights (``check.layer_stream``); None: one run in the file's dtype
+    precision: str | None = None
+    pytorch_outputs: list[dict[str, np.ndarray]] | None = None  # PyTorch in the file's dtype, per case
+    reference_states: list[list[np.ndarray]] | None = None  # [case][layer]: hidden state after each layer
+    pytorch_states: list[list[np.ndarray]] | None = None
+
+    def streams(self) -> bool:
+        return self.precision is not None and not self.layer_kind
+
+    fallback_note = ""  # why the layer-streamed reference could not run, when it could not
+
     def outputs(self, cases, say):
+        if self.streams():
+            try:
+                return self._streamed(cases, say)
+            except (CheckError, RuntimeError) as why:  # a checkpoint not readable by name, a model it cannot split
+                self.fallback_note = (f"no {self.precision} reference layer by layer ({first_line(why)}): compared "
+                                      f"with one run in {self.info.dtype} by the sqrt(layers) tolerance")
+                self.precision = self.pytorch_outputs = self.reference_states = self.pytorch_states = None
+                self.label = self.label.split(", run layer by layer")[0]
+        return self._whole(cases, say)
+
+    def _streamed(self, cases, say):
+        import torch
+        import transformers
+
+        from rope_export.check.layer_stream import stream_causal_lm
+        from rope_export.check.layer_weights import CheckpointWeights, RandomWeights, skeleton
+        from rope_export.hf.families import MODEL_TYPES
+        from rope_export.hf.loading import EXPERTS_IMPLEMENTATION, check_config
+
+        try:
+            check_config(self.config)
+        except ValueError as exc:
+            raise CheckError(f"transformers cannot build the model: {exc}") from None
+        model_type = self.config.model_type
+        auto = getattr(transformers, MODEL_TYPES[model_type].auto_class if model_type in MODEL_TYPES else
+                       "AutoModelForCausalLM")
+        options = dict(attn_implementation="eager", experts_implementation=EXPERTS_IMPLEMENTATION)
+        file_dtype, ref_dtype = DTYPES[self.info.dtype], {"fp32": torch.float32, "fp64": torch.float64}[self.precision]
+        if self.weights is not None:
+            source = CheckpointWeights(self.weights, skeleton(auto, self.config, file_dtype, options))
+        else:
+            source = RandomWeights(auto, self.config, file_dtype, self.info.seed, options)
+        say(f"running {self.label} on {len(cases)} cases")
+        reference, pytorch = stream_causal_lm(auto, self.config, source, [ref_dtype, file_dtype],
+                                              [c.feeds for c in cases], self.layers, options, say)
+        self.pytorch_outputs, self.pytorch_states = pytorch.outputs, pytorch.layer_states
+        self.reference_states = reference.layer_states
+        free_memory(self.weight_bytes)
+        return reference.outputs
+
+    def _whole(self, cases, say):
         import torch
 
         say(f"building {self.label}")
@@ -317,13 +370,22 @@ class GoldenRunnerReference(Reference):
 
 def choose_reference(mf: ModelFile, *, source: str | None, preset: PresetInfo | None, hf_info: HFInfo | None,
                      reference_path=None, hf_config=None, weights=None, seed: int | None = None,
-                     random_weights: bool = False, reference_block=None,
+                     random_weights: bool = False, reference_block=None, precision: str = "auto",
                      limits: Limits) -> tuple[Reference, list[str]]:
-    """The reference for this file and flags, and notes for the report."""
+    """The reference for this file and flags, and notes for the report.
+
+    ``precision``: of a transformers causal LM's layer-streamed reference: "fp32", "fp64", "none" (one run in the
+    file's dtype), or "auto" (fp32 for a half-precision file, else none)."""
     notes: list[str] = []
     ref = _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, random_weights,
                   reference_block, limits)
     ref.weight_bytes = mf.weight_bytes
+    if isinstance(ref, TransformersReference) and not ref.layer_kind:
+        if precision == "auto":
+            precision = "fp32" if ref.info.dtype in ("fp16", "bf16") else "none"
+        if precision != "none" and precision != ref.info.dtype:
+            ref.precision = precision
+            ref.label += f", run layer by layer in {precision} and in {ref.info.dtype}"
     return ref, notes
 
 

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from rope_export.check.cache_rows import SweepResult, TableCheck
 from rope_export.check.compare import OutputStats, PositionErrors, bucket_label
+from rope_export.check.layer_errors import LayerErrors
+from rope_export.check.layer_report import layer_lines, plot_error_vs_layer, summary_line
 from rope_export.fileio import atomic_write_text
 from rope_export.plotting import pyplot_or_none, save_png
-from rope_export.tolerances import Tolerance
+from rope_export.tolerances import AgainstPyTorch, Tolerance
 
 
 @dataclass
@@ -29,6 +31,7 @@ class RunnerReport:
     cases: dict[str, list[OutputStats]] = field(default_factory=dict)
     position_error: PositionErrors = field(default_factory=PositionErrors)
     sweep: SweepResult | None = None
+    layers: LayerErrors | None = None  # error after each decoder layer, beside PyTorch's (measured rule only)
 
     @property
     def max_abs(self) -> float | None:
@@ -55,6 +58,12 @@ class CheckReport:
     preset: str = ""
     sweep_tolerance: Tolerance | None = None  # the op tolerance the rotary nodes alone are held to
     weights: dict = field(default_factory=dict)  # a transformers reference's: {"source": "folder"|"random", ...}
+    rule: AgainstPyTorch | None = None  # the measured rule, where a higher-precision reference decided
+    pytorch_layers: list[float] | None = None  # PyTorch's own error after each layer, in the file's dtype
+
+    @property
+    def rule_name(self) -> str:
+        return "against PyTorch's own error" if self.rule is not None else "tolerance (sqrt(layers) for a model)"
 
     @property
     def compared(self) -> list[RunnerReport]:
@@ -73,6 +82,8 @@ class CheckReport:
             where = ", ".join(r.failures()[:4])
             if where or not r.sweep or r.sweep.status != "FAIL":
                 lines.append(f"runner {r.runner} disagrees with {self.against} on {where or r.reason}")
+            if r.layers is not None and r.layers.first_outside is not None:
+                lines.append(f"runner {r.runner}: {summary_line(r.layers)}")
             if r.sweep is not None and r.sweep.status == "FAIL":
                 lines.append(f"runner {r.runner}, rotary node alone: {r.sweep.reason}")
         if not self.compared:
@@ -101,6 +112,9 @@ def report_dict(report: CheckReport) -> dict:
         "dtype": report.dtype,
         "tolerance": asdict(report.tolerance),
         "tolerance_rule": "|actual - reference| <= atol + rtol * |reference|, elementwise",
+        "pass_rule": report.rule_name,
+        "against_pytorch": None if report.rule is None else {**asdict(report.rule), "rule": report.rule.describe()},
+        "pytorch_error_by_layer": report.pytorch_layers,
         "inputs": report.inputs,
         "cases": report.cases,
         "notes": report.notes,
@@ -113,7 +127,10 @@ def report_dict(report: CheckReport) -> dict:
                 "reason": r.reason,
                 "latency_ms_median": r.latency_ms,
                 "max_abs_error": r.max_abs,
-                "cases": {case: [asdict(s) for s in stats] for case, stats in r.cases.items()},
+                "cases": {case: [{**asdict(s), "ratio_to_pytorch": s.ratio} for s in stats]
+                          for case, stats in r.cases.items()},
+                "error_by_layer": None if r.layers is None else {**asdict(r.layers),
+                                                                 "worst_ratio": r.layers.worst_ratio},
                 "error_by_position": r.position_error.buckets(),
                 "rotary_sweep": _sweep_dict(r.sweep),
             }
@@ -129,12 +146,13 @@ def _cell(value, fmt="{:.3g}") -> str:
 def report_markdown(report: CheckReport) -> str:
     comparison = ("against " + report.reference if report.independent else
                   f"**the runners compared with each other, not with PyTorch**: {report.reference}")
+    rule = (f"pass rule: {report.rule.describe()}" if report.rule is not None else
+            f"tolerance atol={report.tolerance.atol:g} (times an output's RMS where above 1), "
+            f"rtol={report.tolerance.rtol:g}")
     lines = [
         f"# rope-export check: {report.model}",
         "",
-        f"{report.dtype}, {comparison}; tolerance atol={report.tolerance.atol:g} (times an output's RMS where "
-        f"above 1), rtol={report.tolerance.rtol:g}. "
-        f"Result: **{'PASS' if report.passed else 'FAIL'}**.",
+        f"{report.dtype}, {comparison}; {rule}. Result: **{'PASS' if report.passed else 'FAIL'}**.",
         "",
         f"Inputs: {report.inputs}. Cases: {', '.join(report.cases)}.",
         "",
@@ -149,6 +167,19 @@ def report_markdown(report: CheckReport) -> str:
         lines.append(f"| {r.runner} | {r.status} | {_cell(r.max_abs)} | "
                      f"{'' if worst is None else f'{worst[0]}/{worst[1].output}'} | {sweep} | "
                      f"{_cell(r.latency_ms, '{:.2f} ms')} | {r.reason} |")
+    if report.rule is not None:
+        lines += ["", "## Against PyTorch's own error (per case and output, max abs vs the higher-precision reference)",
+                  "", "The logits and the output of the highest ratio, per case (every output: check.json).", "",
+                  "| runner | case | output | runner error | PyTorch error | ratio | bound | result |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in report.compared:
+            for case, stats in r.cases.items():
+                worst = max(stats, key=lambda st: st.ratio or 0.0, default=None)
+                for st in (st for st in stats if st.output == "logits" or st is worst):  # the rest: check.json
+                    lines.append(f"| {r.runner} | {case} | {st.output} | {st.max_abs:.3g} | "
+                                 f"{_cell(st.pytorch_max_abs)} | {_cell(st.ratio, '{:.2f}')} | {_cell(st.bound)} | "
+                                 f"{'pass' if st.passed else '**FAIL**'} |")
+    lines += layer_lines(report)
     if report.tables:
         lines += ["", "## Stored cos/sin caches, every row", ""]
         for t in report.tables:
@@ -258,6 +289,8 @@ def write_reports(report: CheckReport, directory: str | os.PathLike) -> list[Pat
     atomic_write_text(written[1], report_markdown(report))
     if plot_error_vs_position(report, directory / "error_vs_position.png"):
         written.append(directory / "error_vs_position.png")
+    if plot_error_vs_layer(report, directory / "error_vs_layer.png"):
+        written.append(directory / "error_vs_layer.png")
     return written
 
 
@@ -267,15 +300,22 @@ def print_report(report: CheckReport, console) -> None:
 
     title = (f"{report.model} ({report.dtype}) against {report.against}" if report.independent else
              f"{report.model} ({report.dtype}): runners compared with {report.against}, not with PyTorch")
-    table = make_table(f"{title}, atol {report.tolerance.atol:g} rtol {report.tolerance.rtol:g}",
-                       ("runner", "status", "max abs error", "rotary nodes alone", "median latency"), keep=("runner",))
+    columns = ["runner", "status", "max abs error", "rotary nodes alone", "median latency"]
+    if report.rule is not None:
+        columns.insert(3, "worst ratio to PyTorch")
+    table = make_table(f"{title}, atol {report.tolerance.atol:g} rtol {report.tolerance.rtol:g}", columns,
+                       keep=("runner",))
     styles = {"pass": "green", "FAIL": "bold red", "skipped": "yellow", "golden": "cyan"}
     for r in report.runners:
         sweep = "" if r.sweep is None or r.sweep.status == "skipped" else (
             f"[{styles[r.sweep.status]}]{r.sweep.status}[/{styles[r.sweep.status]}]"
             + (f" ({r.sweep.positions} positions)" if r.sweep.positions else ""))
-        table.add_row(r.runner, f"[{styles[r.status]}]{r.status}[/{styles[r.status]}]", _cell(r.max_abs), sweep,
-                      _cell(r.latency_ms, "{:.2f} ms"))
+        cells = [r.runner, f"[{styles[r.status]}]{r.status}[/{styles[r.status]}]", _cell(r.max_abs), sweep,
+                 _cell(r.latency_ms, "{:.2f} ms")]
+        if report.rule is not None:
+            ratios = [st.ratio for stats in r.cases.values() for st in stats if st.ratio is not None]
+            cells.insert(3, _cell(max(ratios) if ratios else None, "{:.2f}"))
+        table.add_row(*cells)
     print_table(console, table)
     for r in report.runners:  # notes below the table: skip reasons are sentences, not cells
         if r.reason:
@@ -283,6 +323,9 @@ def print_report(report: CheckReport, console) -> None:
     for t in report.tables:
         if not t.passed:
             console.print(f"  {t.message()}", markup=False, highlight=False, soft_wrap=True)
+    for line in layer_lines(report, markdown=False):
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"  reference: {report.reference}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"  decided by: {report.rule_name}", markup=False, highlight=False, soft_wrap=True)
     for note in report.notes:
         console.print(f"  note: {note}", markup=False, highlight=False, soft_wrap=True)

@@ -180,7 +180,7 @@ def _onnxruntime(mf: ModelFile, name: str, kinds: set[str], limits: Limits):
         runner, why = _streamed(mf, model if model is not None else mf.proto, folder, provider, name, whole, budget,
                                 limits)
         return runner, _parenthesis([*notes, why])
-    if model is None and mf.path is None:
+    if model is None and (mf.path is None or mf.added_outputs):  # the in-memory graph: the file lacks them
         model = mf.proto
     if mf.external and model is None:
         notes.append("session on the file's path; weights read from its external data")

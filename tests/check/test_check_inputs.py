@@ -87,3 +87,17 @@ def test_user_feeds_from_npz_and_a_data_loader_script(tmp_path):
     report = check(model, ("onnx-reference",), inputs=[str(tmp_path / "feeds.npz"), f"{tmp_path / 'loader.py'}:cases"])
     assert report.passed and report.cases == ["feeds.npz", "loader.py", "loader.py#1"]
     assert "the user's feeds" in report.inputs
+
+
+def test_both_sides_of_the_original_context_by_a_position_offset():
+    """LongRoPE switches at its original context: one decode step on each side, with the same short past."""
+    mf = decoder_file()
+    cases, _ = stress_cases(mf, InputPlan(position_limit=4096, vocab=50, original_context=1024), LIMIT)
+    by_name = {c.name: c for c in cases}
+    below, past = by_name["decode-original-context-end"], by_name["decode-past-original-context"]
+    assert (below.positions == 1023).all() and (past.positions == 1024).all()
+    for case in (below, past):
+        assert case.feeds["input_ids"].shape[1] == 1 and case.feeds["past_key_values.0.key"].shape[2] == 8
+    # no such case when the original context is the whole range (nothing to switch to)
+    cases, _ = stress_cases(mf, InputPlan(position_limit=4096, vocab=50, original_context=4096), LIMIT)
+    assert not {"decode-original-context-end", "decode-past-original-context"} & {c.name for c in cases}

@@ -86,3 +86,13 @@ def test_one_attention_layer_export_matches_the_layer_in_transformers():
     assert report.passed and report.against == "transformers", report.failure_message()
     assert {s.output for stats in report.runners[0].cases.values() for s in stats} == {
         "output", "present_key", "present_value"}
+
+
+def test_longrope_whole_model_on_both_sides_of_its_switch():
+    """Phi-3's LongRoPE (original context 32 of 128): the whole model on one decode step just below the switch
+    and one just past it, by a position offset, both against transformers."""
+    report = check(hf_file("phi3"), ("onnxruntime-cpu",), sweep=False)
+    assert {"decode-original-context-end", "decode-past-original-context"} <= set(report.cases)
+    assert report.passed, report.failure_message()
+    (runner,) = report.compared
+    assert {"decode-original-context-end", "decode-past-original-context"} <= set(runner.cases)
