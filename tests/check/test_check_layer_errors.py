@@ -120,6 +120,12 @@ def test_clean_fp16_file_passes_by_pytorchs_own_error():
     assert len(runner.layers.errors) == len(report.pytorch_layers) == LAYERS
     # fp16 rounding, not zero: both the runner and PyTorch differ from the fp32 reference after every layer
     assert all(0 < e < 0.05 for e in [*runner.layers.errors, *report.pytorch_layers])
+    # the error plot draws the rule that decided: each bucket's worst token error over that case's bound
+    smallest, largest = min(s.bound for s in logits), max(s.bound for s in logits)
+    buckets = runner.position_error.buckets()
+    assert buckets and all(b["max_abs"] / largest * (1 - 1e-9) <= b["of_limit"] <= b["max_abs"] / smallest * (1 + 1e-9)
+                           for b in buckets)
+    assert max(b["of_limit"] for b in buckets) <= 1.0  # it passed, so every point is under the line
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one-session", "in-pieces"])
