@@ -227,7 +227,9 @@ def error_plot_panels(report: CheckReport) -> list[PlotPanel]:
     sweep_tol = report.sweep_tolerance or report.tolerance
     panels = [
         ("whole model on the stress cases", report.tolerance,
-         f"limit: {report.tolerance.atol:g} x max(1, output RMS) + {report.tolerance.rtol:g} x |{report.against}|",
+         (f"limit: {report.rule.factor:g} x PyTorch's own {report.dtype} error + {report.rule.floor:g}, per case"
+          if report.rule is not None else
+          f"limit: {report.tolerance.atol:g} x max(1, output RMS) + {report.tolerance.rtol:g} x |{report.against}|"),
          [(r, r.position_error, r.status) for r in report.runners]),
         ("each rotary node alone, every position", sweep_tol,
          f"limit: {sweep_tol.atol:g} + {sweep_tol.rtol:g} x |expected| + allowance for the position",

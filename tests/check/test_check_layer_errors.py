@@ -126,6 +126,10 @@ def test_clean_fp16_file_passes_by_pytorchs_own_error():
     assert buckets and all(b["max_abs"] / largest * (1 - 1e-9) <= b["of_limit"] <= b["max_abs"] / smallest * (1 + 1e-9)
                            for b in buckets)
     assert max(b["of_limit"] for b in buckets) <= 1.0  # it passed, so every point is under the line
+    from rope_export.check.report import error_plot_panels
+
+    whole = error_plot_panels(report)[0]
+    assert "PyTorch's own" in whole.limit_label and all(whole.series[0].passed)
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one-session", "in-pieces"])
