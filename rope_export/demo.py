@@ -15,8 +15,6 @@ import json
 import time
 from pathlib import Path
 
-from rope_export.check import check
-from rope_export.export import export, save_model
 from rope_export.presets import DEFAULT_PRESET
 
 DEFAULT_OUT = "out/demo"
@@ -54,6 +52,8 @@ def register(subparsers) -> None:
 
 
 def _validate(model_name: str, artefacts: dict, rows: list, step) -> None:
+    from rope_export.check import check
+
     for target, runners in PLAN:
         if target not in artefacts:
             continue
@@ -65,6 +65,7 @@ def _validate(model_name: str, artefacts: dict, rows: list, step) -> None:
 
 
 def _lower_all(model, out: Path, stem: str, model_name: str, rows: list, step) -> dict:
+    from rope_export.export import save_model
     from rope_export.passes import lower
 
     artefacts = {"custom-op": model}
@@ -96,6 +97,7 @@ def _transformers_llama(out: Path, dtype: str, rows: list, step) -> None:
 
 def run(args) -> int:
     from rope_export import plugin_build
+    from rope_export.export import export
     from rope_export.tables import console as make_console
     from rope_export.tables import print_table
     from rope_export.tables import table as make_table

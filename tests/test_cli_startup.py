@@ -34,7 +34,8 @@ def test_top_level_help_imports_no_library():
     assert heavy_imports(["--help"]) == []
 
 
-@pytest.mark.parametrize("command", ["lower", "fuse", "check", "build", "presets", "build-plugin", "package", "bench"])
+@pytest.mark.parametrize("command", ["lower", "fuse", "check", "build", "presets", "build-plugin", "package", "bench",
+                                     "demo"])
 def test_a_command_help_imports_no_heavy_library(command):
     # onnx and onnx_ir may come with a command's parser; torch, transformers, onnxruntime, onnxscript not
     assert not set(heavy_imports([command, "--help"])) & set(HEAVY)
