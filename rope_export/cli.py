@@ -31,7 +31,7 @@ from collections.abc import Iterator
 COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "export": ("export to ONNX with one rotary node per rotated tensor: a transformers model folder (--hf), "
                "your own nn.Module (--module) or a preset's attention block",
-               ("rope_export.export", "rope_export.module_export", "rope_export.hf.cli")),
+               ("rope_export.export_command",)),
     "lower": ("rewrite the rotary nodes for a runtime: trt-plugin, onnx, ort or decomposed",
               ("rope_export.passes.cli",)),
     "check": ("compare an ONNX file with its reference (PyTorch, transformers, another file) on every runner",
@@ -127,8 +127,11 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
         if name not in subparsers.choices:
             subparsers.add_parser(name, help=summary, add_help=False).set_defaults(func=_not_available)
     listing = {action.dest: action for action in subparsers._choices_actions}
-    for name, (summary, _modules) in COMMANDS.items():
-        listing[name].help = summary
+    for name, (summary, _modules) in COMMANDS.items():  # the one place each line is written
+        if name in listing:
+            listing[name].help = summary
+        else:  # a parser added without help= is not listed by argparse until it has a line
+            subparsers._choices_actions.append(subparsers._ChoicesPseudoAction(name, (), summary))
     order = list(COMMANDS)  # the user's path first, whatever order the modules registered in
     subparsers._choices_actions.sort(key=lambda a: order.index(a.dest) if a.dest in order else len(order))
     for sub in subparsers.choices.values():  # `rope-export export --debug ...` works too

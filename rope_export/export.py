@@ -28,13 +28,13 @@ from rope_export import (
     onnx_op,  # noqa: F401  (registers the rope_export schema for onnxscript)
 )
 from rope_export.cli_options import EXTERNAL_DATA, add_output_arguments  # noqa: F401 - add_output_arguments: other commands' import
+from rope_export.export_command import DTYPE_NAMES, MIN_OPSET
 from rope_export.fileio import check_writable
 from rope_export.onnx_files import output_files  # noqa: F401 - re-exported for hf/cli, module_export, bench
 from rope_export.presets import Preset, load_preset
 from rope_export.torch_onnx import quiet_exporter as _quiet_exporter  # rope_export.hf imports it from here
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-MIN_OPSET = 18  # the lowest ai.onnx opset torch's dynamo exporter emits
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16), strict=True))
 METADATA_PREFIX = "rope_export."
 
 # Graph I/O names: the contract between export, lowering, check and the serving side.
@@ -375,28 +375,8 @@ def decomposed_export(preset: Preset, dtype: str = "fp32", decode: bool = False,
 # -- CLI ---------------------------------------------------------------------------------------
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "export", help="export a preset's attention block to ONNX with one rotary node per rotated tensor"
-    )
-    parser.add_argument("--preset", default="tiny", help="preset name or .toml path (default tiny)")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="precision of the whole file")
-    parser.add_argument("--opset", type=int, default=23, help=f"ai.onnx opset ({MIN_OPSET} or newer, default 23)")
-    parser.add_argument("--decode", action="store_true",
-                        help="add past_key/past_value inputs: one file for prefill (past 0) and decode")
-    parser.add_argument("--cache-len", type=int, default=None,
-                        help="rows of the cos/sin caches (default: the preset's max_position_embeddings)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    parser.add_argument("--compare-decomposed", action="store_true",
-                        help="also export the block with decomposed RoPE and report the node-count reduction")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show torch.onnx's own messages and the libraries' FutureWarnings")
-    parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
-    add_output_arguments(parser)
-    parser.set_defaults(func=_run)  # rope_export.module_export and rope_export.hf.cli add their options and routes
-
-
-def _run(args) -> int:
+def run_preset_export(args) -> int:
+    """``rope-export export [--preset NAME] -o OUT.onnx`` (the parser: ``rope_export.export_command``)."""
     from rich.console import Console
     from rich.table import Table
 

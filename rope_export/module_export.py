@@ -44,6 +44,7 @@ import torch
 from rope_export import onnx_files
 from rope_export.detect import CountReport, RotationCensus, compare_with_file, count_rotations, rotary_nodes
 from rope_export.detect.census import module_path_of
+from rope_export.export_command import FACTORY_HELP
 from rope_export.fileio import check_writable
 from rope_export.module_check import FileMismatchError, check_on_onnxruntime
 from rope_export.passes import FusionReport, fuse
@@ -358,10 +359,6 @@ def _table(sites: list[SiteReport]) -> str:
 
 # -- CLI: rope-export export --module package.module:factory -----------------------------------------
 
-FACTORY_HELP = (
-    "PACKAGE.MODULE:FACTORY or path/to/file.py:FACTORY; FACTORY() returns (module, args), (module, args, "
-    "kwargs) or a dict with keys module, args and optionally kwargs, dynamic_shapes, input_names, output_names"
-)
 
 
 def load_factory(spec: str) -> dict:
@@ -408,21 +405,6 @@ def load_factory(spec: str) -> dict:
     args = parts.get("args", ())
     parts["args"] = args if isinstance(args, tuple) else tuple(args) if isinstance(args, list) else (args,)
     return parts
-
-
-def register(subparsers) -> None:
-    """Give the ``export`` command --module and --allow-decomposed; route --module calls to ``run_module_export``."""
-    parser = subparsers.choices["export"]
-    parser.add_argument("--module", metavar="SPEC", help=f"export any RoPE module instead of a preset: {FACTORY_HELP}")
-    parser.add_argument("--allow-decomposed", action="store_true",
-                        help="--module, --hf: write the file even if a rotation stayed decomposed (a warning, not "
-                             "an error)")
-    preset_run = parser.get_default("func")
-
-    def run(args) -> int:
-        return run_module_export(args) if args.module else preset_run(args)
-
-    parser.set_defaults(func=run)
 
 
 def run_module_export(args) -> int:

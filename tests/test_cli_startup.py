@@ -35,7 +35,7 @@ def test_top_level_help_imports_no_library():
 
 
 @pytest.mark.parametrize("command", ["lower", "fuse", "check", "build", "presets", "build-plugin", "package", "bench",
-                                     "demo"])
+                                     "demo", "export"])
 def test_a_command_help_imports_no_heavy_library(command):
     # onnx and onnx_ir may come with a command's parser; torch, transformers, onnxruntime, onnxscript not
     assert not set(heavy_imports([command, "--help"])) & set(HEAVY)

@@ -41,7 +41,7 @@ from rope_export.hf.cache_io import (
     rotary_module,
     with_cache,
 )
-from rope_export.hf.cli import register_hf_arguments, run_hf_export, wants_hf_export
+from rope_export.hf.cli import run_hf_export, wants_hf_export
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.exporting import FALLBACKS, HFExportResult, export_hf
 from rope_export.hf.families import HF_FAMILIES, MODEL_TYPES, HFFamily, family_of, rope_config_from_hf, text_config
@@ -76,7 +76,6 @@ __all__ = [
     "model_state_kept",
     "position_embeddings",
     "read_hf_metadata",
-    "register_hf_arguments",
     "returned_cache",
     "rope_config_from_hf",
     "rotary_hooked",

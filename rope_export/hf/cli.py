@@ -1,8 +1,5 @@
-"""``rope-export export --hf CONFIG``: the transformers options of the ``export`` command.
-
-``register(subparsers)`` adds them to the ``export`` parser that ``rope_export.export`` made and
-routes a call with any of them here, so ``rope_export.export`` never imports this package.
-"""
+"""``rope-export export --hf CONFIG``: what the ``export`` command runs when any of its transformers options is
+given (the options: ``rope_export.export_command``, which imports neither torch nor transformers)."""
 
 from __future__ import annotations
 
@@ -10,66 +7,12 @@ from pathlib import Path
 
 from rope_export import contract
 from rope_export.checkpoints import weights_fact
+from rope_export.export_command import wants_hf_export  # noqa: F401 - rope_export.hf re-exports it
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.exporting import FALLBACKS, export_hf
+from rope_export.hf.exporting import export_hf
 from rope_export.hf.families import HF_FAMILIES
 from rope_export.hf.loading import build_hf_model, weights_beside
 from rope_export.hf.versions import said_when_untested
-
-
-def register_hf_arguments(parser) -> None:
-    """Add ``--hf CONFIG_DIR_OR_JSON``, ``--weights DIR``, ``--random-weights``, ``--allow-no-rope``, ``--layer N``,
-    ``--hf-family``, ``--hf-fallback``."""
-    group = parser.add_argument_group("Hugging Face transformers models (instead of --preset)")
-    group.add_argument("--hf", metavar="CONFIG_DIR_OR_JSON", default=None,
-                       help="export a transformers causal LM built from this local config (folder or .json); any "
-                            "RoPE model type: its rotary function is found by code and verified. The file always "
-                            "has a KV cache (prefill: past 0)")
-    group.add_argument("--weights", metavar="DIR", default=None,
-                       help="local folder with the checkpoint save_pretrained wrote (safetensors or .bin, sharded or "
-                            "not; default: the one in the --hf folder, or in the folder holding the .json); no hub "
-                            "access")
-    group.add_argument("--random-weights", action="store_true", default=None,
-                       help="export random weights (--seed) even where the --hf folder holds a checkpoint: not a "
-                            "trained model (a folder with a config only always gives random weights)")
-    group.add_argument("--allow-no-rope", action="store_true", default=None,
-                       help="write the file even when the model performs no rotary position embedding (a warning "
-                            "instead of the error)")
-    group.add_argument("--layer", type=int, default=None,
-                       help="export only this attention layer (hidden_states, position_ids, past_key, past_value)")
-    group.add_argument("--attention-mask", action="store_true", default=None,
-                       help="the file takes an attention_mask input [batch, past+seq] (1: a token, 0: padding) after "
-                            "position_ids, for batches with padding (onnxruntime-genai passes one)")
-    group.add_argument("--kv-buffer", action="store_true", default=None,
-                       help="each past is a preallocated buffer [batch, kv_heads, max_length, head] returned "
-                            "updated in place (TensorScatter-24 + Attention-24, opset 24; implies --attention-mask), "
-                            "so a decode step does not copy the whole past (onnxruntime-genai: "
-                            "past_present_share_buffer true)")
-    group.add_argument("--hf-family", choices=sorted(HF_FAMILIES), default=None,
-                       help="override: accept only this family's rotary form (still checked numerically)")
-    group.add_argument("--hf-fallback", choices=FALLBACKS, default="auto",
-                       help="override for a model whose rotary function does not verify: plain export then fuse "
-                            "(auto, the default), refuse (error), keep RoPE decomposed (plain), or skip the hook "
-                            "and fuse even when a function verifies (fuse)")
-
-
-def register(subparsers) -> None:
-    """Give the ``export`` command its --hf options and route calls that use them to ``run_hf_export``."""
-    parser = subparsers.choices["export"]
-    register_hf_arguments(parser)
-    preset_run = parser.get_default("func")
-
-    def run(args) -> int:
-        return run_hf_export(args) if wants_hf_export(args) else preset_run(args)
-
-    parser.set_defaults(func=run)
-
-
-def wants_hf_export(args) -> bool:
-    """Whether ``export`` was called with any of the --hf options (then ``run_hf_export`` handles it)."""
-    return any(getattr(args, name, None) is not None
-               for name in ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family",
-                            "attention_mask", "kv_buffer"))
 
 
 def run_hf_export(args) -> int:
@@ -89,6 +32,8 @@ def run_hf_export(args) -> int:
                             "--kv-buffer need --hf CONFIG_DIR_OR_JSON")
     if args.random_weights and args.weights is not None:
         raise HFExportError("--random-weights and --weights exclude each other: give one")
+    if args.hf_family is not None and args.hf_family not in HF_FAMILIES:  # before the minutes of building
+        raise HFExportError(f"unknown --hf-family {args.hf_family!r}; known: {', '.join(sorted(HF_FAMILIES))}")
     for option, default in (("cache_len", None), ("compare_decomposed", False), ("module", None)):
         if getattr(args, option, default) not in (None, False):
             raise HFExportError(

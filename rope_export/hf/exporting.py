@@ -42,6 +42,7 @@ from rope_export.export import (
     graph_proto,
     rename_dynamic_dims,
 )
+from rope_export.export_command import HF_FALLBACKS
 from rope_export.hf.cache_io import (
     AttentionWithCache,
     CacheLayout,
@@ -60,7 +61,7 @@ from rope_export.hf.metadata import hf_metadata
 # --hf-fallback: what happens when no rotary function verifies. "auto" (default): plain export, then
 # fuse. "error": refuse. "plain": no hook and no fusion (RoPE stays decomposed, said as a warning).
 # "fuse": skip the hook even if a function verifies (plain export, then fuse).
-FALLBACKS = ("auto", "error", "plain", "fuse")
+FALLBACKS = HF_FALLBACKS  # the names live with export's parser, which imports no torch
 
 
 @dataclass(frozen=True)
