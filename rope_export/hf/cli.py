@@ -11,7 +11,7 @@ from pathlib import Path
 from rope_export import contract
 from rope_export.checkpoints import weights_fact
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.exporting import FALLBACKS, export_hf
+from rope_export.hf.exporting import FALLBACKS, TRACES, export_hf
 from rope_export.hf.families import HF_FAMILIES
 from rope_export.hf.loading import build_hf_model, weights_beside
 from rope_export.hf.versions import said_when_untested
@@ -47,6 +47,11 @@ def register_hf_arguments(parser) -> None:
                             "past_present_share_buffer true)")
     group.add_argument("--hf-family", choices=sorted(HF_FAMILIES), default=None,
                        help="override: accept only this family's rotary form (still checked numerically)")
+    group.add_argument("--trace", choices=TRACES, default=None,
+                       help="full (default): torch.export traces every decoder layer; per-kind: trace two layers and "
+                            "stamp the second once per further layer with its weights and cache, where every layer is "
+                            "one kind and the stamped file's rotary nodes per layer match transformers' (else the full "
+                            "trace, with the reason in the summary)")
     group.add_argument("--hf-fallback", choices=FALLBACKS, default="auto",
                        help="override for a model whose rotary function does not verify: plain export then fuse "
                             "(auto, the default), refuse (error), keep RoPE decomposed (plain), or skip the hook "
@@ -69,7 +74,7 @@ def wants_hf_export(args) -> bool:
     """Whether ``export`` was called with any of the --hf options (then ``run_hf_export`` handles it)."""
     return any(getattr(args, name, None) is not None
                for name in ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family",
-                            "attention_mask", "kv_buffer"))
+                            "attention_mask", "kv_buffer", "trace"))
 
 
 def run_hf_export(args) -> int:
@@ -85,8 +90,8 @@ def run_hf_export(args) -> int:
     except ImportError:
         raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
     if args.hf is None:
-        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer, --hf-family, --attention-mask and "
-                            "--kv-buffer need --hf CONFIG_DIR_OR_JSON")
+        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer, --hf-family, --attention-mask, "
+                            "--trace and --kv-buffer need --hf CONFIG_DIR_OR_JSON")
     if args.random_weights and args.weights is not None:
         raise HFExportError("--random-weights and --weights exclude each other: give one")
     for option, default in (("cache_len", None), ("compare_decomposed", False), ("module", None)):
@@ -117,10 +122,12 @@ def run_hf_export(args) -> int:
                            allow_no_rope=bool(args.allow_no_rope), opset=args.opset,
                            attention_mask=bool(args.attention_mask), kv_buffer=bool(args.kv_buffer),
                            external=args.external_data, weights=None if weights is None else str(weights),
-                           seed=args.seed, progress=progress,
+                           seed=args.seed, trace=args.trace or "full", progress=progress,
                            verbose=args.verbose)
+        progress.facts["trace"] = result.trace  # which path ran, for --summary-json as for the line below
         progress.add_files(output_files(args.output))
     console.print(weights_line, soft_wrap=True, markup=False, highlight=False)  # the summary's first line
+    console.print(f"trace: {result.trace}", soft_wrap=True, markup=False, highlight=False)
     summary = summarize(result.model)
     table = Table(title=f"{result.path} ({type(model).__name__}, {args.dtype})")
     table.add_column("what")
@@ -128,6 +135,7 @@ def run_hf_export(args) -> int:
     table.add_row("model type", f"{model.config.model_type} ({result.family.notes or 'detected by code'})")
     table.add_row("weights", weights_line)
     table.add_row("rotary hook", result.hook)
+    table.add_row("trace", result.trace)
     table.add_row("rotations in eager transformers", str(result.rotations))
     table.add_row(f"{contract.DOMAIN}::{contract.OP_TYPE} nodes", str(summary["custom_nodes"]))
     table.add_row("nodes", str(summary["nodes"]))
