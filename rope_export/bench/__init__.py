@@ -84,6 +84,7 @@ class BenchConfig:
     scale_check: bool = True
     scale_dtype: str = "fp16"
     scale_builder: bool = True  # onnxruntime-genai's model builder beside export --hf, when installed
+    scale_per_kind: bool = False  # also export --hf --trace per-kind
 
     @classmethod
     def for_mode(cls, mode: str = "quick", threads: int = 2, rounds: int | None = None,
@@ -151,7 +152,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "kernels": lambda: kernels.static_report(kernels.archs_for(config.mode)),
         "scale": lambda: scale.run_section(config.scale_sizes, Path(config.scale_dir or "out/bench/scale-work"),
                                            dtype=config.scale_dtype, reps=config.scale_reps, keep=config.scale_keep,
-                                           check=config.scale_check, builder=config.scale_builder, say=say),
+                                           check=config.scale_check, builder=config.scale_builder,
+                                           per_kind=config.scale_per_kind, say=say),
     }
     for name in SECTIONS:
         if name in config.sections:
@@ -190,6 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="leave out the last step, rope-export check of the exported file against transformers")
     scale.add_argument("--scale-dtype", default="fp16", choices=("fp32", "fp16", "bf16"),
                        help="weight dtype of every export in the section (default fp16)")
+    scale.add_argument("--scale-per-kind", action="store_true",
+                       help="also run export --hf --trace per-kind (two layers traced, the rest stamped) as a row")
     scale.add_argument("--scale-no-builder", dest="scale_builder", action="store_false",
                        help="leave out onnxruntime-genai's model builder (run by default when it is installed, on a "
                             "save_pretrained folder that every export then reads)")
@@ -220,6 +224,7 @@ def run_cli(args) -> int:
     config.scale_dir = args.scale_dir or str(Path(args.out) / "scale-work")
     config.scale_keep, config.scale_check = args.scale_keep, args.scale_check
     config.scale_dtype, config.scale_builder = args.scale_dtype, args.scale_builder
+    config.scale_per_kind = args.scale_per_kind
     console = Console()
     if not console.is_terminal:  # a log or a pipe: wide enough for the tables, not rich's 80 columns
         console = Console(width=160)

@@ -50,6 +50,7 @@ from rope_export.check.runners import PIECE_LIMIT
 from rope_export.onnx_files import data_path
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
+PER_KIND = "export --hf --trace per-kind"
 RSS_GOAL = 1.3  # peak RSS of export --hf over the weight bytes
 TIME_GOAL = 1.2  # wall time of export --hf over the plain export's
 
@@ -183,12 +184,14 @@ def _tail(log: str, lines: int = 3) -> str:
 
 
 def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False, check: bool = True,
-             builder: bool = True, check_args: tuple[str, ...] = (), say: Callable[[str], None] = lambda message: None,
+             builder: bool = True, per_kind: bool = False, check_args: tuple[str, ...] = (),
+             say: Callable[[str], None] = lambda message: None,
              after_step: Callable[[str, list[Path]], None] | None = None) -> dict:
     """Every step of the scale benchmark on ``size`` in ``work``; the JSON-ready result.
 
     ``builder``: also run onnxruntime-genai's model builder when it is installed (then every export
     reads one ``save_pretrained`` folder, ``scale_peers``); its row says why when it cannot run.
+    ``per_kind``: also ``export --hf --trace per-kind`` (its own row; the later steps use the full trace's file).
     ``check_args`` are added to the ``rope-export check`` command (e.g. ``--piece-limit 2``).
     ``after_step(name, outputs)`` is called after each step, before its outputs may be removed
     (the slow test inspects the files there; the check step's output is its report folder)."""
@@ -201,7 +204,7 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
         return {**result, "status": "skipped", "reason": why_not}
     config = write_config(size, work / f"{size}-config")
     model, plain = work / "model.onnx", work / "plain.onnx"
-    folder, built = work / f"{size}-model", work / "builder"
+    folder, built, stamped = work / f"{size}-model", work / "builder", work / "model.per-kind.onnx"
     steps = result["steps"]
 
     def step(name: str, argv: list[str], outputs=()) -> dict:
@@ -227,11 +230,19 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
                                       "--dtype", dtype, "--summary-json", str(work / "plain.summary.json")], plain),
                     ("export --hf", _cli("export", "--hf", str(source), "--dtype", dtype, "-o", str(model),
                                          "--summary-json", str(work / "export.summary.json")), model)]
+            if per_kind:
+                runs.append((PER_KIND, _cli("export", "--hf", str(source), "--dtype", dtype, "--trace", "per-kind",
+                                            "-o", str(stamped), "--summary-json",
+                                            str(work / "per-kind.summary.json")), stamped))
             if not no_builder:
                 runs.append((BUILDER, builder_command(folder, built, dtype, work / "builder-cache"),
                              built / "model.onnx"))
             for name, argv, output in runs if rep % 2 == 0 else runs[::-1]:
-                step(name, argv, [output])
+                record = step(name, argv, [output])
+                if name == PER_KIND:
+                    record["note"] = _trace_of(work / "per-kind.summary.json")
+                    if not keep:
+                        _remove(stamped)
                 if name == BUILDER and not keep:
                     shutil.rmtree(built, ignore_errors=True)
                     shutil.rmtree(work / "builder-cache", ignore_errors=True)
@@ -260,7 +271,7 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
             record["note"] = check_note(reports / "check.json")
         else:
             steps.append({"step": "check", "skipped": "left out (--scale-no-check)"})
-        for name in ("export.summary.json", "plain.summary.json", "check.summary.json"):
+        for name in ("export.summary.json", "plain.summary.json", "check.summary.json", "per-kind.summary.json"):
             if (work / name).is_file():
                 result[name.split(".")[0] + "_steps"] = json.loads((work / name).read_text())["steps"]
     except RuntimeError as exc:
@@ -272,6 +283,13 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
             shutil.rmtree(folder, ignore_errors=True)
             shutil.rmtree(built, ignore_errors=True)
     return {**result, "status": "measured", "ratios": ratios(result)}
+
+
+def _trace_of(summary: Path) -> str:
+    try:
+        return "trace " + json.loads(summary.read_text()).get("trace", "?")
+    except (OSError, ValueError):
+        return "no summary"
 
 
 def check_command(model: Path, reports: Path, summary: Path, extra: tuple[str, ...] = ()) -> list[str]:
@@ -330,6 +348,12 @@ def ratios(result: dict) -> dict:
     if builder_s:
         out.update(export_time_over_builder=ours_s / builder_s, export_peak_rss_over_builder=ours_rss / builder_rss,
                    builder_peak_rss_over_weights=builder_rss / weights)
+    kind_s, kind_rss = _median(steps, PER_KIND, "seconds"), _median(steps, PER_KIND, "peak_rss")
+    if kind_s:
+        out.update(per_kind_time_over_full=kind_s / ours_s, per_kind_peak_rss_over_weights=kind_rss / weights)
+        if builder_s:
+            out.update(per_kind_time_over_builder=kind_s / builder_s,
+                       per_kind_peak_rss_over_builder=kind_rss / builder_rss)
     copy = next((s for s in steps if s.get("step") == COPY and s.get("seconds")), None)
     written = next((f["bytes"] for s in steps if s.get("step") == "export --hf" for f in s.get("files", [])
                     if f["path"].endswith(".data")), None)
@@ -371,11 +395,12 @@ def goals(section: dict) -> list[dict]:
 
 
 def run_section(sizes: tuple[str, ...], work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False,
-                check: bool = False, builder: bool = True, say: Callable[[str], None] = lambda message: None) -> dict:
+                check: bool = False, builder: bool = True, per_kind: bool = False,
+                say: Callable[[str], None] = lambda message: None) -> dict:
     results = []
     for size in sizes:
         results.append(run_size(size, Path(work) / size, dtype=dtype, reps=reps, keep=keep, check=check,
-                                builder=builder, say=say))
+                                builder=builder, per_kind=per_kind, say=say))
         if results[-1]["status"] != "measured":
             say(f"scale {size}: {results[-1]['status']}: {results[-1]['reason']}")
     return {"title": "real-size model, each step in its own process", "sizes": results, "work": str(work)}

@@ -10,7 +10,7 @@ from rope_export.bench.scale_peers import BUILDER
 from rope_export.bounds import format_bytes
 from rope_export.plotting import pyplot_or_none, save_png
 
-PLAIN, OURS, CHECK = "plain export", "export --hf", "check"
+PLAIN, OURS, CHECK, PER_KIND = "plain export", "export --hf", "check", "export --hf --trace per-kind"
 
 
 def _rows(size: dict) -> list[tuple[str, str, str, str, str]]:
@@ -50,6 +50,11 @@ def _peer_line(q: dict) -> str:
         text += (f"; against onnxruntime-genai's builder (same folder and dtype): wall time "
                  f"{q['export_time_over_builder']:.2f}x, peak RSS {q['export_peak_rss_over_builder']:.2f}x "
                  f"(builder's RSS {q['builder_peak_rss_over_weights']:.2f}x the weights)")
+    if "per_kind_time_over_full" in q:
+        text += (f"; --trace per-kind: wall time {q['per_kind_time_over_full']:.2f}x the full trace's"
+                 + (f", {q['per_kind_time_over_builder']:.2f}x the builder's, peak RSS "
+                    f"{q['per_kind_peak_rss_over_builder']:.2f}x the builder's" if "per_kind_time_over_builder" in q
+                    else ""))
     if "write_over_copy" in q:
         text += (f"; writing {q['write_mb_s']:.0f} MB/s against cp's {q['copy_mb_s']:.0f} MB/s on the same bytes "
                  f"({q['write_over_copy']:.2f}x)")
@@ -67,7 +72,8 @@ def _plan_line(size: dict) -> str:
 def _inner(size: dict) -> list[tuple[str, str, str, str]]:
     """(command, inner step, time, peak RSS) from the two exports' and the check's own step logs."""
     out = []
-    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS), ("check_steps", CHECK)):
+    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS), ("per-kind_steps", PER_KIND),
+                       ("check_steps", CHECK)):
         for s in size.get(key, []):
             out.append((label, s["name"], f"{s['seconds']:.1f} s", format_bytes(s["peak_rss"])))
     return out

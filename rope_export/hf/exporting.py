@@ -56,7 +56,7 @@ from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, family_of, text_config
 from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
 from rope_export.hf.metadata import hf_metadata
-from rope_export.hf.stamping import NotStampable, check_one_kind, reduced, stamp
+from rope_export.hf.stamping import NotStampable, check_one_kind, reduced, stamp, weights_kept_apart
 
 # --hf-fallback: what happens when no rotary function verifies. "auto" (default): plain export, then
 # fuse. "error": refuse. "plain": no hook and no fusion (RoPE stays decomposed, said as a warning).
@@ -429,7 +429,7 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
     hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
     say(f"exporting {type(model).__name__} cut to 2 of its {n} decoder layers with torch.export (one kind of layer)")
     try:
-        with model_state_kept(model), reduced(model) as layers_name, hook_ctx as hook:
+        with model_state_kept(model), reduced(model) as layers_name, hook_ctx as hook, weights_kept_apart():
             small = cache_layout(model)
             inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
                                        position_rank=fam.position_rank, layout=small)

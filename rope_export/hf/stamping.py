@@ -8,16 +8,20 @@ the same strided view onnxscript folded a Transpose into) and cache inputs/outpu
 not one: what the second reads from the first (the hidden state, and nothing else) is what each
 copy reads from the copy before it; what both read (cos/sin, masks, shape constants) is shared.
 
-Only what this module can prove structurally is stamped; anything else raises ``NotStampable``
-with the reason, and the caller falls back to the full trace and says so:
-* one kind of layer: same class, parameter shapes and dtypes, plain attributes (``layer_idx``
+Only what this module can check is stamped; anything else raises ``NotStampable`` with the
+reason, and the caller falls back to the full trace and says so:
+* one kind of layer: same classes, parameter shapes and dtypes, plain attributes (``layer_idx``
   aside) and ``layer_types`` entry for every layer; the cache one key/value pair per layer;
-* the two traced layers are the same graph node for node (op, domain, attributes), and every
-  input of the second is the first's counterpart, its cache input, its own weight, a value both
-  share, or the hidden state the first hands on; the file's rotary nodes per layer then equal the
-  rotations transformers performs per layer (checked by the caller on the stamped file).
-Models with several kinds of layers (sliding/full, MoE/dense, NoPE, hybrids) take the full trace
-(not built yet: see docs/benchmarks.md, scale).
+* the second layer's own computation (the nodes that read its weights, its cache inputs or the
+  hidden state) reads exactly one value of the first layer's and hands exactly one value on; it
+  reads every one of its parameters as such (or as a view), and besides them only small constants
+  (shapes, scalars) and values computed outside it (cos/sin, masks), which the copies share;
+* the stamped graph's rotary nodes per layer equal the rotations transformers performs per layer
+  (checked by the caller).
+Not detectable here: code that branches on ``layer_idx`` inside ``forward`` (not through an
+attribute or ``layer_types``) past the second layer. Hence the opt-in; the quick zoo's tests
+compare every stamped type with its full trace. Models with several kinds of layers
+(sliding/full, MoE/dense, NoPE, hybrids) take the full trace: per-kind grouping is not built yet.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from rope_export.hf.families import text_config
 SCOPES = "pkg.torch.onnx.name_scopes"
 NAMESPACE = "namespace"
 MIN_LAYERS = 3  # with two or fewer layers the full trace is as short
+SHARED_LIMIT = 4096  # bytes: a constant a layer shares with the others is a shape or a scalar, not a folded weight
 
 
 class NotStampable(Exception):
@@ -103,6 +108,29 @@ def reduced(model, keep: int = 2) -> Iterator[str]:
             config.layer_types = saved_types
 
 
+@contextlib.contextmanager
+def weights_kept_apart() -> Iterator[None]:
+    """onnxscript's optimizer merges equal small initializers (``DeduplicateInitializersPass``, up to 1024
+    elements): two layers' norm weights of ones would become one tensor, and a copy could not tell whose
+    weight it reads. Off while the two layers are traced; where it cannot be turned off, ``stamp``
+    refuses a layer that does not read each of its own parameters."""
+    try:
+        from onnx_ir.passes.common.initializer_deduplication import DeduplicateInitializersPass
+    except ImportError:
+        yield
+        return
+    init = DeduplicateInitializersPass.__init__
+    saved = init.__defaults__
+    if saved != (1024,):  # another onnx_ir: leave it alone
+        yield
+        return
+    init.__defaults__ = (0,)  # size_limit 0: every initializer is past the limit, none is merged
+    try:
+        yield
+    finally:
+        init.__defaults__ = saved
+
+
 # -- stamping the traced graph ------------------------------------------------------------------
 
 def _layer_of(node: ir.Node, scope: re.Pattern) -> int | None:
@@ -110,18 +138,9 @@ def _layer_of(node: ir.Node, scope: re.Pattern) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _signature(node: ir.Node) -> tuple:
+def _refuse_subgraphs(node: ir.Node) -> None:
     if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
         raise NotStampable(f"{node.name} holds a subgraph")
-    return (node.op_type, node.domain, node.overload, len(node.inputs), len(node.outputs),
-            [(name, repr(attr.value)) for name, attr in sorted(node.attributes.items())])
-
-
-def _same_constant(a: ir.Value, b: ir.Value) -> bool:
-    ta, tb = a.const_value, b.const_value
-    if ta is None or tb is None or ta.dtype != tb.dtype or tuple(ta.shape) != tuple(tb.shape) or ta.nbytes > 2**16:
-        return False
-    return ta.tobytes() == tb.tobytes()
 
 
 class _Weights:
@@ -136,6 +155,10 @@ class _Weights:
         self.by_pointer = {layer: {p.data_ptr(): n[len(f"{layers_name}.{layer}."):] for n, p in self.params.items()
                                    if n.startswith(f"{layers_name}.{layer}.")} for layer in (0, 1)}
         self.made: dict[tuple[int, str], ir.Value] = {}
+
+    def names(self, layer: int) -> list[str]:
+        head = f"{self.layers_name}.{layer}."
+        return [n[len(head):] for n in self.params if n.startswith(head)]
 
     def rest_of(self, value: ir.Value, layer: int) -> str | None:
         """The parameter name after "layers.<layer>." that ``value`` holds or views; None if none."""
@@ -219,7 +242,16 @@ def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str,
     in_template = set(template)
     position = {node: i for i, node in enumerate(template)}
     for node in template:
-        _signature(node)
+        _refuse_subgraphs(node)
+    # a weight folded into a constant that is no view of it would be shared by every copy: refused
+    read = {weights.rest_of(v, 1) for v in _params_of(1, template, weights)}
+    unread = sorted(set(weights.names(1)) - read)
+    if unread:
+        raise NotStampable(f"the traced layer does not read its parameter {unread[0]} as such (folded into a constant)")
+    large = [v.name for node in template for v in node.inputs if v is not None and v.is_initializer()
+             and weights.rest_of(v, 1) is None and v.const_value is not None and v.const_value.nbytes > SHARED_LIMIT]
+    if large:
+        raise NotStampable(f"the traced layer reads a large constant {large[0]} that is none of its weights")
     leaving = {v for node in template for v in node.outputs
                if not (v.name in outputs and re.fullmatch(r"present\.1\.\w+", v.name))
                and (v.is_graph_output() or any(use.node not in in_template for use in v.uses()))}

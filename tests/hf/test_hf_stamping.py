@@ -51,6 +51,8 @@ def build(model_type: str):
         for parameter in model.parameters():
             if parameter.numel() > 1 and parameter.is_floating_point() and not parameter.any():
                 parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator))
+            elif parameter.is_floating_point():  # every layer's weights its own (norms are all ones at init),
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))  # so a mix-up shows
     return model
 
 
