@@ -44,13 +44,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rope_export.bench.scale_peers import BUILDER, COPY, builder_command, builder_missing, copy_command, write_rate
+from rope_export.bench.scale_peers import (
+    BUILDER,
+    COPY,
+    PER_KIND,
+    builder_command,
+    builder_missing,
+    copy_command,
+    write_rate,
+)
 from rope_export.bounds import format_bytes
 from rope_export.check.runners import PIECE_LIMIT
 from rope_export.onnx_files import data_path
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
-PER_KIND = "export --hf --trace per-kind"
 RSS_GOAL = 1.3  # peak RSS of export --hf over the weight bytes
 TIME_GOAL = 1.2  # wall time of export --hf over the plain export's
 

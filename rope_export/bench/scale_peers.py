@@ -25,6 +25,7 @@ from pathlib import Path
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
 BUILDER = "genai builder"  # the step's name in the benchmark's tables
 COPY = "file copy"
+PER_KIND = "export --hf --trace per-kind"  # the row of two traced layers stamped (rope_export.hf.stamping)
 WRITING_STEP = "writing "  # export --hf's step log: "writing PATH and its weights (...) to NAME.data"
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import statistics
 
-from rope_export.bench.scale_peers import BUILDER
+from rope_export.bench.scale_peers import BUILDER, PER_KIND
 from rope_export.bounds import format_bytes
 from rope_export.plotting import pyplot_or_none, save_png
 
-PLAIN, OURS, CHECK, PER_KIND = "plain export", "export --hf", "check", "export --hf --trace per-kind"
+PLAIN, OURS, CHECK = "plain export", "export --hf", "check"
 
 
 def _rows(size: dict) -> list[tuple[str, str, str, str, str]]:

@@ -56,6 +56,10 @@ def build(model_type: str):
     return model
 
 
+def _weights(result: hf.HFExportResult) -> list[tuple[int, ...]]:
+    return sorted(tuple(t.dims) for t in result.model.graph.initializer if np.prod(t.dims) * 4 > 4096)
+
+
 def _outputs(result: hf.HFExportResult) -> list[np.ndarray]:
     run = hf_zoo.runner(result.model)
     rank = result.family.position_rank
@@ -81,7 +85,8 @@ def test_per_kind_equals_the_full_trace_or_names_the_fallback(model_type):
     assert stamped.custom_nodes == full.custom_nodes == stamped.rotations
     assert [i.name for i in stamped.model.graph.input] == [i.name for i in full.model.graph.input]
     assert [o.name for o in stamped.model.graph.output] == [o.name for o in full.model.graph.output]
-    assert len(stamped.model.graph.initializer) == len(full.model.graph.initializer)
+    # the same weights (the two-layer trace keeps equal small constants apart, so those may be more)
+    assert _weights(stamped) == _weights(full)
     hf_zoo.compare_with_transformers(model, stamped)
     for a, b in zip(_outputs(full), _outputs(stamped), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
