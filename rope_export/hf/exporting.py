@@ -56,7 +56,7 @@ from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, family_of, text_config
 from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
 from rope_export.hf.metadata import hf_metadata
-from rope_export.hf.stamping import NotStampable, check_one_kind, reduced, stamp, weights_kept_apart
+from rope_export.hf.stamping import NotStampable, layer_kinds, reduced, stamp, traced_count, weights_kept_apart
 
 # --hf-fallback: what happens when no rotary function verifies. "auto" (default): plain export, then
 # fuse. "error": refuse. "plain": no hook and no fusion (RoPE stays decomposed, said as a warning).
@@ -417,19 +417,21 @@ def _describe(hook: HookState | None, fallback: str) -> str:
 
 def _per_kind(model, fam, functions, census, layout, input_names, output_names, example, seed, opset, fallback,
               notes, verbose, say):
-    """(program, hook, what ran): the model cut to two decoder layers, traced, fused, stamped per layer; the
-    rotary nodes per layer must equal transformers' rotations per layer. NotStampable says why not."""
+    """(program, hook, what ran): the model cut to its leading decoder layers (each kind at least once past
+    layer 0), traced, fused, stamped per layer; the rotary nodes per layer must equal transformers' rotations
+    per layer. NotStampable says why not."""
     import warnings
 
     from rope_export.detect import compare_with_file
 
-    check_one_kind(model, layout)
-    n = len(layout.layers)
+    kinds = layer_kinds(model, layout)
+    n, traced = len(kinds), traced_count(kinds)
     batch, seq, past = example
     hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
-    say(f"exporting {type(model).__name__} cut to 2 of its {n} decoder layers with torch.export (one kind of layer)")
+    say(f"exporting {type(model).__name__} cut to {traced} of its {n} decoder layers with torch.export "
+        f"({len(set(kinds))} kind(s) of layer)")
     try:
-        with model_state_kept(model), reduced(model) as layers_name, hook_ctx as hook, weights_kept_apart():
+        with model_state_kept(model), reduced(model, traced) as layers_name, hook_ctx as hook, weights_kept_apart():
             small = cache_layout(model)
             inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
                                        position_rank=fam.position_rank, layout=small)
@@ -438,13 +440,13 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
             program = _export(module, inputs, shapes, names_in, names_out, opset, verbose, say)
             prefix = next(name for name, m in module.named_modules() if m is model) + "."
     except Exception as exc:  # noqa: BLE001 - whatever fails on two layers is left to the full trace to report
-        raise NotStampable(f"the two-layer trace failed ({type(exc).__name__})") from exc
+        raise NotStampable(f"the {traced}-layer trace failed ({type(exc).__name__})") from exc
     want = census.by_layer(census.plain)
-    if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < want.get(0, 0) + want.get(1, 0)
-                                + want.get(None, 0)):
+    if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) <
+                                sum(c for layer, c in want.items() if layer is None or layer < traced)):
         _fuse(program, notes, hooked=hook is not None)
-    say(f"stamping the traced layer {n - 2} times with each layer's weights and cache")
-    added = stamp(program.model, model, layers_name=layers_name, onnx_prefix=prefix, n_layers=n,
+    say(f"stamping the traced layers {n - traced} times with each layer's weights and cache")
+    added = stamp(program.model, model, layers_name=layers_name, onnx_prefix=prefix, kinds=kinds,
                   input_names=input_names, output_names=output_names)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -454,4 +456,5 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
             raise NotStampable(f"the stamped file's rotary nodes disagree with transformers ({exc})") from exc
     if not report.layers or any(w != h for w, h in report.layers.values()):
         raise NotStampable("the stamped file's rotary nodes per layer differ from transformers' rotations per layer")
-    return program, hook, f"per-kind: 2 of {n} decoder layers traced, {n - 2} stamped ({added} nodes)"
+    return program, hook, (f"per-kind: {traced} of {n} decoder layers traced ({len(set(kinds))} kind(s)), "
+                           f"{n - traced} stamped ({added} nodes)")

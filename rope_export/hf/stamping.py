@@ -63,29 +63,38 @@ def _plain_attributes(module: torch.nn.Module) -> dict:
             and isinstance(v, (bool, int, float, str, tuple, type(None)))}
 
 
-def check_one_kind(model, layout) -> None:
-    """Raise NotStampable unless every decoder layer is the same kind with a key/value cache of its own."""
+def _signature(layer: torch.nn.Module, layer_type, io) -> tuple:
+    """What makes two decoder layers one kind: classes, plain attributes, parameters, layer type, cache."""
+    modules = tuple((n, type(m).__qualname__, tuple(sorted(_plain_attributes(m).items(), key=str)))
+                    for n, m in layer.named_modules())
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
+    return modules, params, layer_type, tuple((s.name, s.shape, s.past_axis) for s in io.slots)
+
+
+def layer_kinds(model, layout) -> list[int]:
+    """Each decoder layer's kind (the index of the first layer like it); NotStampable when layers cannot
+    be grouped or nothing would be gained."""
     _, _, layers, _ = decoder_layers(model)
     if len(layers) < MIN_LAYERS:
         raise NotStampable(f"{len(layers)} decoder layers: the full trace is as short")
-    types = getattr(text_config(model.config), "layer_types", None) or []
-    if len(set(types)) > 1:
-        raise NotStampable(f"layers of several kinds ({', '.join(sorted(set(types)))}): one kind only so far")
-    first = layers[0]
-    shapes = [(n, p.shape, p.dtype) for n, p in first.named_parameters()]
-    modules = [(n, type(m), _plain_attributes(m)) for n, m in first.named_modules()]
-    for index, layer in enumerate(layers):
-        if [(n, p.shape, p.dtype) for n, p in layer.named_parameters()] != shapes:
-            raise NotStampable(f"decoder layer {index} has other parameters than layer 0")
-        for (name, kind, attributes), (_, m) in zip(modules, layer.named_modules(), strict=True):
-            if type(m) is not kind or _plain_attributes(m) != attributes:
-                differ = sorted(k for k in {**attributes, **_plain_attributes(m)}
-                                if attributes.get(k) != _plain_attributes(m).get(k))
-                raise NotStampable(f"decoder layer {index} differs from layer 0 in {name or 'the layer'}"
-                                   f"{' (' + ', '.join(differ) + ')' if differ else ''}")
-    if [io.index for io in layout.layers] != list(range(len(layers))) or \
-            any(io.names() != ["key", "value"] for io in layout.layers):
-        raise NotStampable("the cache is not one key/value pair per decoder layer")
+    if [io.index for io in layout.layers] != list(range(len(layers))):
+        raise NotStampable("the cache layers are not one per decoder layer")
+    if any(set(io.names()) - {"key", "value"} for io in layout.layers):
+        raise NotStampable("layers with recurrent or indexer caches are traced in full so far")
+    types = list(getattr(text_config(model.config), "layer_types", None) or [None] * len(layers))
+    signatures = [_signature(layer, types[i] if i < len(types) else None, layout.layers[i])
+                  for i, layer in enumerate(layers)]
+    kinds = [signatures.index(sig) for sig in signatures]
+    if traced_count(kinds) >= len(layers):
+        raise NotStampable(f"{len(set(kinds))} kinds of layers: every layer would be traced anyway")
+    return kinds
+
+
+def traced_count(kinds: list[int]) -> int:
+    """How many leading layers to trace: each kind must appear at a position >= 1 (its template reads
+    the hidden state a traced layer before it hands on)."""
+    return 1 + max(next(j for j in range(1, len(kinds)) if kinds[j] == k) if k in kinds[1:] else len(kinds)
+                   for k in set(kinds))
 
 
 @contextlib.contextmanager
@@ -146,14 +155,14 @@ def _refuse_subgraphs(node: ir.Node) -> None:
 class _Weights:
     """Layer L's counterpart of a second-layer initializer: the parameter itself, or the same view of it."""
 
-    def __init__(self, graph: ir.Graph, model, onnx_prefix: str, layers_name: str):
+    def __init__(self, graph: ir.Graph, model, onnx_prefix: str, layers_name: str, traced: int):
         from torch.onnx._internal.exporter._core import TorchTensor
 
         self.TorchTensor = TorchTensor
         self.graph, self.onnx_prefix, self.layers_name = graph, onnx_prefix, layers_name
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.by_pointer = {layer: {p.data_ptr(): n[len(f"{layers_name}.{layer}."):] for n, p in self.params.items()
-                                   if n.startswith(f"{layers_name}.{layer}.")} for layer in (0, 1)}
+                                   if n.startswith(f"{layers_name}.{layer}.")} for layer in range(traced)}
         self.made: dict[tuple[int, str], ir.Value] = {}
 
     def names(self, layer: int) -> list[str]:
@@ -212,61 +221,75 @@ def _params_of(layer: int, nodes: list[ir.Node], weights: _Weights) -> set[ir.Va
             if v is not None and v.is_initializer() and weights.rest_of(v, layer) is not None}
 
 
-def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str, n_layers: int,
+def _caches(inputs: dict, layer: int) -> set[ir.Value]:
+    return {v for name, v in inputs.items() if re.fullmatch(rf"past_key_values\.{layer}\.\w+", name)}
+
+
+def _template(j: int, nodes: list[ir.Node], chain_before: set[ir.Node], inputs: dict, weights: _Weights):
+    """(the nodes of traced layer j's own computation, the hidden state it reads, the one it hands on)."""
+    handoff = {v for node in nodes for v in node.inputs if v is not None and v.producer() in chain_before}
+    if len(handoff) != 1:
+        raise NotStampable(f"layer {j} reads {len(handoff)} values of the layer before (one hidden state expected)")
+    template = _depends(nodes, handoff | _caches(inputs, j) | _params_of(j, nodes, weights))
+    own = set(template)
+    for node in template:
+        _refuse_subgraphs(node)
+    read = {weights.rest_of(v, j) for v in _params_of(j, template, weights)}
+    unread = sorted(set(weights.names(j)) - read)
+    if unread:  # a weight folded into a constant that is no view of it would be shared by every copy
+        raise NotStampable(f"layer {j} does not read its parameter {unread[0]} as such (folded into a constant)")
+    large = [v.name for node in template for v in node.inputs if v is not None and v.is_initializer()
+             and weights.rest_of(v, j) is None and v.const_value is not None and v.const_value.nbytes > SHARED_LIMIT]
+    if large:
+        raise NotStampable(f"layer {j} reads a large constant {large[0]} that is none of its weights")
+    leaving = {v for node in template for v in node.outputs
+               if not (v.is_graph_output() and re.fullmatch(rf"present\.{j}\.\w+", v.name or ""))
+               and (v.is_graph_output() or any(use.node not in own for use in v.uses()))}
+    if len(leaving) != 1 or next(iter(leaving)).is_graph_output():
+        raise NotStampable(f"layer {j} hands on {len(leaving)} values (one hidden state expected)")
+    return template, next(iter(handoff)), next(iter(leaving))
+
+
+def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str, kinds: list[int],
           input_names: list[str], output_names: list[str]) -> int:
-    """Expand the traced two-layer graph to ``n_layers`` in place (see the module doc); returns the nodes
-    added. NotStampable when the graph is not what this module can prove (the caller drops the graph)."""
+    """Expand the traced leading layers to ``len(kinds)`` in place (see the module doc): layer L is a copy of
+    the first traced layer (past layer 0) of its kind. Returns the nodes added; NotStampable when the graph
+    is not what this module can check (the caller drops the graph)."""
     graph = program_model.graph
+    traced, n_layers = traced_count(kinds), len(kinds)
     prefix = f"{onnx_prefix}{layers_name}"
     scope = re.compile(re.escape(prefix) + r"\.(\d+)(?!\d)")
     nodes = list(graph)
     layer_of = {node: _layer_of(node, scope) for node in nodes}
-    first = [n for n in nodes if layer_of[n] == 0]
-    second = [n for n in nodes if layer_of[n] == 1]
-    if not first or not second:
-        raise NotStampable("the traced graph's nodes carry no decoder-layer scopes")
-    start, end = nodes.index(second[0]), nodes.index(second[-1])
-    if any(layer_of[n] != 1 for n in nodes[start:end + 1]) or any(layer_of[n] == 0 for n in nodes[start:]):
-        raise NotStampable("other nodes lie between the second layer's nodes")
+    by_layer = [[n for n in nodes if layer_of[n] == j] for j in range(traced)]
+    if not all(by_layer) or any(layer is not None and layer >= traced for layer in layer_of.values()):
+        raise NotStampable("the traced graph's nodes carry no decoder-layer scopes for every traced layer")
+    last = by_layer[-1]
+    start, end = nodes.index(last[0]), nodes.index(last[-1])
+    if any(layer_of[n] != traced - 1 for n in nodes[start:end + 1]) or \
+            any(layer_of[n] is not None and layer_of[n] < traced - 1 for n in nodes[start:]):
+        raise NotStampable("other nodes lie between the last traced layer's nodes")
     inputs = {v.name: v for v in graph.inputs}
     outputs = {v.name: v for v in graph.outputs}
-    weights = _Weights(graph, model, onnx_prefix, layers_name)
-    caches = {layer: {v for name, v in inputs.items() if re.fullmatch(rf"past_key_values\.{layer}\.\w+", name)}
-              for layer in (0, 1)}
-    # the first layer's own computation: what reads its weights or cache (shared context computed in its scope aside)
-    first_chain = set(_depends(first, _params_of(0, first, weights) | caches[0]))
-    handoff = {v for node in second for v in node.inputs if v is not None and v.producer() in first_chain}
-    if len(handoff) != 1:
-        raise NotStampable(f"the second layer reads {len(handoff)} values of the first (one hidden state expected)")
-    template = _depends(second, handoff | caches[1] | _params_of(1, second, weights))
-    in_template = set(template)
-    position = {node: i for i, node in enumerate(template)}
-    for node in template:
-        _refuse_subgraphs(node)
-    # a weight folded into a constant that is no view of it would be shared by every copy: refused
-    read = {weights.rest_of(v, 1) for v in _params_of(1, template, weights)}
-    unread = sorted(set(weights.names(1)) - read)
-    if unread:
-        raise NotStampable(f"the traced layer does not read its parameter {unread[0]} as such (folded into a constant)")
-    large = [v.name for node in template for v in node.inputs if v is not None and v.is_initializer()
-             and weights.rest_of(v, 1) is None and v.const_value is not None and v.const_value.nbytes > SHARED_LIMIT]
-    if large:
-        raise NotStampable(f"the traced layer reads a large constant {large[0]} that is none of its weights")
-    leaving = {v for node in template for v in node.outputs
-               if not (v.name in outputs and re.fullmatch(r"present\.1\.\w+", v.name))
-               and (v.is_graph_output() or any(use.node not in in_template for use in v.uses()))}
-    if len(leaving) != 1 or next(iter(leaving)).is_graph_output():
-        raise NotStampable(f"the second layer hands on {len(leaving)} values (one hidden state expected)")
-    (hidden_in,), (hidden_out,) = handoff, leaving
-    missing = [v.name for node in template for v in node.inputs if v is not None and v in caches[1] and
-               v.name.replace(".1.", ".0.", 1) not in inputs]
-    if missing:
-        raise NotStampable(f"the first layer has no cache input like {missing[0]}")
+    weights = _Weights(graph, model, onnx_prefix, layers_name, traced)
+    chain = set(_depends(by_layer[0], _params_of(0, by_layer[0], weights) | _caches(inputs, 0)))
+    templates = {}  # traced layer j >= 1 -> (template, hidden in, hidden out)
+    for j in range(1, traced):
+        templates[j] = _template(j, by_layer[j], chain, inputs, weights)
+        chain = set(templates[j][0])
+    for j in range(1, traced - 1):  # each traced layer hands on exactly what the next one reads
+        if templates[j][2] is not templates[j + 1][1]:
+            raise NotStampable(f"layer {j + 1} reads another value than the hidden state layer {j} hands on")
+    source = {k: next(j for j in range(1, traced) if kinds[j] == k) for k in set(kinds)}
 
-    previous = hidden_out
+    previous = templates[traced - 1][2]
+    hidden_out = previous
     added: list[ir.Node] = []
     new_inputs: dict[str, ir.Value] = {}
-    for layer in range(2, n_layers):
+    for layer in range(traced, n_layers):
+        j = source[kinds[layer]]
+        template, hidden_in, out = templates[j]
+        own = set(template)
         made: dict[ir.Value, ir.Value] = {}
         for node in template:
             args = []
@@ -277,16 +300,16 @@ def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str,
                     args.append(made[v])
                 elif v is hidden_in:
                     args.append(previous)
-                elif v in caches[1]:
-                    name = v.name.replace(".1.", f".{layer}.", 1)
+                elif v.is_graph_input() and re.fullmatch(rf"past_key_values\.{j}\.\w+", v.name):
+                    name = f"past_key_values.{layer}.{v.name.split('.', 2)[2]}"
                     if name not in new_inputs:
                         new_inputs[name] = ir.Value(name=name, shape=v.shape, type=v.type)
                     args.append(new_inputs[name])
-                elif v.is_initializer() and weights.rest_of(v, 1) is not None:
-                    args.append(weights.value(v, layer, weights.rest_of(v, 1)))
-                elif v.producer() is not None and v.producer() in position:
-                    raise NotStampable(f"{node.name} reads a value of the layer before it is made")
-                else:  # computed outside the layer's own chain (cos/sin, masks, shapes, constants): shared
+                elif v.is_initializer() and weights.rest_of(v, j) is not None:
+                    args.append(weights.value(v, layer, weights.rest_of(v, j)))
+                elif v.producer() is not None and v.producer() in own:
+                    raise NotStampable(f"{node.name} reads a value of layer {j} before it is made")
+                else:  # computed outside the layers' own chains (cos/sin, masks, shapes, constants): shared
                     args.append(v)
             clone = ir.Node(node.domain, node.op_type, args, attributes=list(node.attributes.values()),
                             overload=node.overload, num_outputs=len(node.outputs), version=node.version,
@@ -295,21 +318,21 @@ def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str,
                 clone.metadata_props[key] = scope.sub(f"{prefix}.{layer}", text) if key in (SCOPES, NAMESPACE) else text
             for old, new in zip(node.outputs, clone.outputs, strict=True):
                 new.shape, new.type = old.shape, old.type
-                cache = re.fullmatch(r"present\.1\.(\w+)", old.name or "")
+                cache = re.fullmatch(rf"present\.{j}\.(\w+)", old.name or "")
                 new.name = f"present.{layer}.{cache.group(1)}" if cache and old.name in outputs else \
                     f"{old.name}__layer{layer}"
                 made[old] = new
             added.append(clone)
-        previous = made[hidden_out]
+        previous = made[out]
     present = {**outputs, **{v.name: v for node in added for v in node.outputs if v.name in output_names}}
     every_input = {**inputs, **new_inputs}
     missing = [n for n in input_names if n not in every_input] + [n for n in output_names if n not in present]
     if missing:
         raise NotStampable(f"the stamped graph would lack {', '.join(missing[:3])}")
-    graph.insert_after(second[-1], added)
-    copies = set(added)
+    graph.insert_after(last[-1], added)
+    skip = set(added) | set(templates[traced - 1][0])
     for use in list(hidden_out.uses()):  # the nodes after the layers read the last copy's hidden state
-        if use.node not in in_template and use.node not in copies:
+        if use.node not in skip:
             use.node.replace_input_with(use.idx, previous)
     graph.inputs.clear()
     graph.inputs.extend(every_input[n] for n in input_names)
