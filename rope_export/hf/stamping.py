@@ -1,27 +1,28 @@
-"""Trace once per kind of decoder layer: trace two layers, stamp the second one per real layer.
+"""Trace once per kind of decoder layer: trace the leading layers, stamp one traced layer per real layer.
 
-Tracing, decomposing and optimizing scale with the number of layers although the layers of a
-dense model are one graph with other weights. ``export_hf(trace="per-kind")`` therefore exports the
-model cut to its first two decoder layers (``reduced``), then ``stamp`` copies the second traced
-layer's nodes once per further layer, each copy with that layer's weights (the torch tensors, or
-the same strided view onnxscript folded a Transpose into) and cache inputs/outputs. Two layers,
-not one: what the second reads from the first (the hidden state, and nothing else) is what each
-copy reads from the copy before it; what both read (cos/sin, masks, shape constants) is shared.
+Tracing, decomposing and optimizing scale with the number of layers although layers of one kind
+are one graph with other weights. ``export_hf(trace="per-kind")`` groups the decoder layers into
+kinds (``layer_kinds``: same classes, plain attributes with ``layer_idx`` aside, parameter shapes
+and dtypes, ``layer_types`` entry and cache slots), exports the model cut to its leading layers
+until every kind has appeared at a position past layer 0 (``traced_count``, ``reduced``: two
+layers for a dense model), then ``stamp`` copies, for each further layer, the nodes of the first
+traced layer of its kind, with that layer's weights (the torch tensors, or the same strided view
+onnxscript folded a Transpose into) and cache inputs/outputs. Past layer 0, because a copy reads
+from the copy before it what that traced layer read from the layer before it: the hidden state,
+and nothing else; what the layers read from outside (cos/sin, masks, shape constants) is shared.
 
 Only what this module can check is stamped; anything else raises ``NotStampable`` with the
 reason, and the caller falls back to the full trace and says so:
-* one kind of layer: same classes, parameter shapes and dtypes, plain attributes (``layer_idx``
-  aside) and ``layer_types`` entry for every layer; the cache one key/value pair per layer;
-* the second layer's own computation (the nodes that read its weights, its cache inputs or the
-  hidden state) reads exactly one value of the first layer's and hands exactly one value on; it
-  reads every one of its parameters as such (or as a view), and besides them only small constants
-  (shapes, scalars) and values computed outside it (cos/sin, masks), which the copies share;
+* the cache is one key/value pair per layer (recurrent and indexer caches: full trace so far);
+* each template (a traced layer's own computation: the nodes that read its weights, its cache
+  inputs or the hidden state) reads exactly one value of the layer before and hands exactly one
+  on, the one the next traced layer reads; it reads every one of its parameters as such (or as a
+  view), and besides them only small constants (shapes, scalars) and values computed outside it;
 * the stamped graph's rotary nodes per layer equal the rotations transformers performs per layer
   (checked by the caller).
 Not detectable here: code that branches on ``layer_idx`` inside ``forward`` (not through an
-attribute or ``layer_types``) past the second layer. Hence the opt-in; the quick zoo's tests
-compare every stamped type with its full trace. Models with several kinds of layers
-(sliding/full, MoE/dense, NoPE, hybrids) take the full trace: per-kind grouping is not built yet.
+attribute or ``layer_types``) beyond the traced layers. Hence the opt-in; the quick zoo's tests
+compare every stamped type with its full trace.
 """
 
 from __future__ import annotations
