@@ -79,6 +79,7 @@ def _outputs(result: hf.HFExportResult) -> list[np.ndarray]:
 def test_per_kind_equals_the_full_trace_or_names_the_fallback(model_type):
     model = build(model_type)
     stamped = hf.export_hf(model, trace="per-kind")
+    print(f"{model_type}: {stamped.trace}")  # the sweep's record (pytest -rP) of which path each type takes
     assert stamped.trace.startswith(QUICK.get(model_type, ""))
     if stamped.trace.startswith("full (per-kind not used: "):
         assert len(stamped.trace) > len("full (per-kind not used: )")
