@@ -186,14 +186,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="comma-separated model sizes: 1b (Llama-3.2-1B shape), 8b (Llama-3.1-8B shape, 16 GB of "
                             "weights: run on a quiet machine), 2gb (the smallest > 2 GB case) (default 1b)")
     scale.add_argument("--scale-dir", default=None,
-                       help="folder for the model files (default OUT/scale-work; needs about 3x the weights free)")
+                       help="folder for the model files (default OUT/scale-work; needs about 3x the weights free, "
+                            "4x with the builder)")
     scale.add_argument("--scale-keep", action="store_true", help="keep the exported and lowered files")
     scale.add_argument("--scale-no-check", dest="scale_check", action="store_false",
                        help="leave out the last step, rope-export check of the exported file against transformers")
     scale.add_argument("--scale-dtype", default="fp16", choices=("fp32", "fp16", "bf16"),
                        help="weight dtype of every export in the section (default fp16)")
     scale.add_argument("--scale-per-kind", action="store_true",
-                       help="also run export --hf --trace per-kind (two layers traced, the rest stamped) as a row")
+                       help="also run export --hf --trace per-kind (leading layers traced, the rest stamped) as a row")
     scale.add_argument("--scale-no-builder", dest="scale_builder", action="store_false",
                        help="leave out onnxruntime-genai's model builder (run by default when it is installed, on a "
                             "save_pretrained folder that every export then reads)")
