@@ -92,10 +92,10 @@ def layer_kinds(model, layout) -> list[int]:
 
 
 def traced_count(kinds: list[int]) -> int:
-    """How many leading layers to trace: each kind must appear at a position >= 1 (its template reads
-    the hidden state a traced layer before it hands on)."""
-    return 1 + max(next(j for j in range(1, len(kinds)) if kinds[j] == k) if k in kinds[1:] else len(kinds)
-                   for k in set(kinds))
+    """How many leading layers to trace: each kind of a layer past 0 must appear at a position >= 1 (its
+    template reads the hidden state a traced layer before it hands on); a kind of layer 0 alone (DeepSeek's
+    dense first layer) needs no template."""
+    return 1 + max(kinds.index(k, 1) for k in set(kinds[1:]))
 
 
 @contextlib.contextmanager
