@@ -11,6 +11,7 @@ from rope_export.cli_options import add_output_arguments
 DTYPE_NAMES = ("fp32", "fp16", "bf16")  # rope_export.export.DTYPES maps them to torch dtypes
 MIN_OPSET = 18  # the lowest ai.onnx opset torch's dynamo exporter emits
 HF_FALLBACKS = ("auto", "error", "plain", "fuse")  # what export --hf does when the rotary function does not verify
+HF_TRACES = ("full", "per-kind")  # how export --hf traces the decoder layers
 FACTORY_HELP = (
     "PACKAGE.MODULE:FACTORY or path/to/file.py:FACTORY; FACTORY() returns (module, args), (module, args, "
     "kwargs) or a dict with keys module, args and optionally kwargs, dynamic_shapes, input_names, output_names"
@@ -74,6 +75,11 @@ def add_hf_arguments(parser) -> None:
     group.add_argument("--hf-family", metavar="FAMILY", default=None,
                        help="override: accept only this family's rotary form (still checked numerically; a wrong "
                             "name gets the list)")
+    group.add_argument("--trace", choices=HF_TRACES, default=None,
+                       help="full (default): torch.export traces every decoder layer; per-kind: trace two layers and "
+                            "stamp the second once per further layer with its weights and cache, where every layer is "
+                            "one kind and the stamped file's rotary nodes per layer match transformers' (else the full "
+                            "trace, with the reason in the summary)")
     group.add_argument("--hf-fallback", choices=HF_FALLBACKS, default="auto",
                        help="override for a model whose rotary function does not verify: plain export then fuse "
                             "(auto, the default), refuse (error), keep RoPE decomposed (plain), or skip the hook "

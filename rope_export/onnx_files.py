@@ -9,7 +9,8 @@ Real models have weights far past protobuf's 2 GB limit, so:
   tensor (``per-tensor``); ``auto`` (the default) keeps them inside the ``.onnx`` below
   ``EXTERNAL_DATA_THRESHOLD`` and writes ``single`` above it; ``never`` refuses a model too big
   for one file. Tensors are streamed one at a time from wherever they live (torch, an input
-  file), so writing never holds a second copy of the weights. Everything is written into a
+  file) in large sequential writes (``rope_export.tensor_stream``), so writing never holds a
+  second copy of the weights. Everything is written into a
   staging folder beside the target, checked there (``check=True``: onnx.checker on the path),
   then moved into place with the data before the model that names it; an error or interrupt
   removes the staging folder and leaves existing files as they were.
@@ -35,6 +36,7 @@ from rope_export.bounds import format_bytes
 from rope_export.cli_options import EXTERNAL_DATA, EXTERNAL_DATA_HELP  # noqa: F401 - the options live there
 from rope_export.fileio import check_writable, commit_moves, staging_dir
 from rope_export.steps import detail, file_sizes
+from rope_export.tensor_stream import SequentialWriter
 
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # protobuf's 2 GB limit, with room for the graph itself
 INLINE_LIMIT = 1024  # bytes; onnx's own default threshold, above onnx_ir's 1000-byte shape-inference cut
@@ -255,18 +257,19 @@ def _write_external(model: ir.Model, stage: Path, model_name: str, data_name: st
     external: dict[ir.Value, ir.TensorProtocol] = {}
     if mode == "single":
         offset = 0
-        with open(stage / data_name, "wb") as f:
+        with open(stage / data_name, "wb") as f, SequentialWriter(f) as writer:
             for i, value in enumerate(big, 1):
                 tensor = value.const_value
-                _write_tensor(tensor, f)
+                writer.write(tensor)
                 external[value] = ir.ExternalTensor(data_name, offset, tensor.nbytes, tensor.dtype, shape=tensor.shape,
                                                     name=value.name, base_dir=str(stage))
                 offset += tensor.nbytes
                 done += tensor.nbytes
                 detail(progress, f"writing weights: tensor {i} of {len(big)}, {format_bytes(done)} of "
                                  f"{format_bytes(total)}")
-            if f.tell() != offset:
-                raise OnnxFileError(f"writing {data_name}: wrote {f.tell():,} bytes where {offset:,} were expected")
+        size = (stage / data_name).stat().st_size
+        if size != offset:
+            raise OnnxFileError(f"writing {data_name}: wrote {size:,} bytes where {offset:,} were expected")
     else:
         folder = stage / data_name
         folder.mkdir()
@@ -274,8 +277,8 @@ def _write_external(model: ir.Model, stage: Path, model_name: str, data_name: st
         for i, value in enumerate(big, 1):
             tensor = value.const_value
             file_name = _tensor_file_name(value.name or f"tensor_{i}", names)
-            with open(folder / file_name, "wb") as f:
-                _write_tensor(tensor, f)
+            with open(folder / file_name, "wb") as f, SequentialWriter(f) as writer:
+                writer.write(tensor)
             external[value] = ir.ExternalTensor(f"{data_name}/{file_name}", 0, tensor.nbytes, tensor.dtype,
                                                 shape=tensor.shape, name=value.name, base_dir=str(stage))
             done += tensor.nbytes
@@ -284,14 +287,6 @@ def _write_external(model: ir.Model, stage: Path, model_name: str, data_name: st
     with _SwappedTensors({**small, **external}):
         proto = ir.to_proto(model)
     onnx.save_model(proto, str(stage / model_name))
-
-
-def _write_tensor(tensor: ir.TensorProtocol, f) -> None:
-    """Stream one tensor's bytes: from torch memory, or file to file for an input's external data."""
-    if hasattr(tensor, "tofile"):
-        tensor.tofile(f)
-    else:
-        f.write(tensor.tobytes())
 
 
 def _tensor_file_name(name: str, taken: set[str]) -> str:

@@ -84,6 +84,9 @@ class BenchConfig:
     scale_reps: int = 1
     scale_keep: bool = False
     scale_check: bool = True
+    scale_dtype: str = "fp16"
+    scale_builder: bool = True  # onnxruntime-genai's model builder beside export --hf, when installed
+    scale_per_kind: bool = False  # also export --hf --trace per-kind
 
     @classmethod
     def for_mode(cls, mode: str = "quick", threads: int = 2, rounds: int | None = None,
@@ -150,8 +153,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "gpu": lambda: gpu.run_section(config.mode, say),  # its own cases (issue 17): prefill 4096, decode 64
         "kernels": lambda: kernels.static_report(kernels.archs_for(config.mode)),
         "scale": lambda: scale.run_section(config.scale_sizes, Path(config.scale_dir or "out/bench/scale-work"),
-                                           reps=config.scale_reps, keep=config.scale_keep, check=config.scale_check,
-                                           say=say),
+                                           dtype=config.scale_dtype, reps=config.scale_reps, keep=config.scale_keep,
+                                           check=config.scale_check, builder=config.scale_builder,
+                                           per_kind=config.scale_per_kind, say=say),
         "cli": lambda: cli_startup.run_section(config.mode, say),
     }
     for name in SECTIONS:
@@ -185,10 +189,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="comma-separated model sizes: 1b (Llama-3.2-1B shape), 8b (Llama-3.1-8B shape, 16 GB of "
                             "weights: run on a quiet machine), 2gb (the smallest > 2 GB case) (default 1b)")
     scale.add_argument("--scale-dir", default=None,
-                       help="folder for the model files (default OUT/scale-work; needs about 3x the weights free)")
+                       help="folder for the model files (default OUT/scale-work; needs about 3x the weights free, "
+                            "4x with the builder)")
     scale.add_argument("--scale-keep", action="store_true", help="keep the exported and lowered files")
     scale.add_argument("--scale-no-check", dest="scale_check", action="store_false",
                        help="leave out the last step, rope-export check of the exported file against transformers")
+    scale.add_argument("--scale-dtype", default="fp16", choices=("fp32", "fp16", "bf16"),
+                       help="weight dtype of every export in the section (default fp16)")
+    scale.add_argument("--scale-per-kind", action="store_true",
+                       help="also run export --hf --trace per-kind (leading layers traced, the rest stamped) as a row")
+    scale.add_argument("--scale-no-builder", dest="scale_builder", action="store_false",
+                       help="leave out onnxruntime-genai's model builder (run by default when it is installed, on a "
+                            "save_pretrained folder that every export then reads)")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"folder for bench.json, bench.md, bench.png (default {DEFAULT_OUT})")
     parser.add_argument("--plot", default=None, metavar="PNG",
@@ -215,6 +227,8 @@ def run_cli(args) -> int:
     config.scale_sizes = tuple(s.strip() for s in args.scale_sizes.split(",") if s.strip())
     config.scale_dir = args.scale_dir or str(Path(args.out) / "scale-work")
     config.scale_keep, config.scale_check = args.scale_keep, args.scale_check
+    config.scale_dtype, config.scale_builder = args.scale_dtype, args.scale_builder
+    config.scale_per_kind = args.scale_per_kind
     console = Console()
     if not console.is_terminal:  # a log or a pipe: wide enough for the tables, not rich's 80 columns
         console = Console(width=160)

@@ -4,10 +4,15 @@
 weights), then runs each step in its own process, so that each peak RSS is that step's alone
 (``os.wait4``'s ``ru_maxrss``) and the wall time includes start-up, as a user sees it:
 
-1. ``plain export``: what a user does without rope-export: ``from_config``, a plain
-   ``torch.onnx.export(..., dynamo=True)`` of the same causal LM with the same inputs and dynamic
-   dims, ``ONNXProgram.save(..., external_data=True)``;
-2. ``export --hf``: ``rope-export export --hf CONFIG --dtype fp16`` (one rotary node per tensor);
+0. ``model folder`` (only when onnxruntime-genai's builder is installed): the config's model with
+   random weights (seed 0) and a tokenizer, ``save_pretrained``; every export below reads it
+   (``rope_export.bench.scale_peers``);
+1. ``plain export``: what a user does without rope-export: ``from_config`` (``from_pretrained`` of
+   the folder), a plain ``torch.onnx.export(..., dynamo=True)`` of the same causal LM with the same
+   inputs and dynamic dims, ``ONNXProgram.save(..., external_data=True)``;
+2. ``export --hf``: ``rope-export export --hf CONFIG --dtype DTYPE`` (one rotary node per tensor),
+   then ``file copy``: ``cp`` of the weights it wrote, the disk's speed for its write rate;
+   ``genai builder``: onnxruntime-genai's model builder on the same folder and dtype, when installed;
 3. ``lower <target>`` for every target, on the file of step 2;
 4. ``fuse``: ``rope-export fuse`` on the plain export of step 1;
 5. ``check``: ``rope-export check`` of the file of step 2 against transformers (the model rebuilt from
@@ -20,7 +25,7 @@ behind ``--scale-sizes 8b``), and ``2gb`` (three Llama-3.1-8B layers with tied e
 and disk plan (``memory_plan``: each step's peak on paper) is compared with what the machine has
 free, and the size is skipped, with the reason, when it does not fit. Reported, not asserted: peak
 RSS of ``export --hf`` <= 1.3x the weight bytes and <= the plain export's, wall time <= 1.2x the
-plain export's.
+plain export's; with the builder, wall time and peak RSS <= the builder's.
 
 ``python -m rope_export.bench.scale plain CONFIG_DIR OUT.onnx`` runs step 1 alone.
 """
@@ -39,8 +44,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rope_export.bench.scale_peers import (
+    BUILDER,
+    COPY,
+    PER_KIND,
+    builder_command,
+    builder_missing,
+    copy_command,
+    write_rate,
+)
 from rope_export.bounds import format_bytes
 from rope_export.check.runners import PIECE_LIMIT
+from rope_export.onnx_files import data_path
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 RSS_GOAL = 1.3  # peak RSS of export --hf over the weight bytes
@@ -87,6 +102,7 @@ def weight_plan(size: str, dtype: str = "fp16") -> dict:
             "dtype": dtype}
 
 
+BUILDER_RSS = 1.3  # onnxruntime-genai's builder over the weights (1.27x measured on a 1.1B fp32 model, issue 26)
 RUNTIME = 1.5e9  # Python, torch, transformers, onnx/onnxruntime and the graph, in every step's process
 CHECK_TOKENS = 2 * (3 * 16 + 128 + 2 * 16)  # tokens of check's default cases (batch 2): logits kept per token
 
@@ -107,7 +123,7 @@ def memory_plan(plan: dict, dtype: str = "fp16") -> dict[str, float]:
     reference = weights + largest + RUNTIME + outputs
     runners = min(3 * weights, PIECE_LIMIT) + RUNTIME + outputs
     return {"export": weights + largest + RUNTIME, "check reference": reference, "check runners": runners,
-            "lower": RUNTIME}
+            "lower": RUNTIME, BUILDER: BUILDER_RSS * weights + RUNTIME}
 
 
 def _itemsize(dtype: str) -> int:
@@ -123,10 +139,11 @@ def fits(plan: dict) -> str:
         return (f"needs about {format_bytes(need_memory)} of memory (its largest step, {step}: "
                 f"{', '.join(f'{k} {format_bytes(v)}' for k, v in steps.items())}); {format_bytes(available)} "
                 "available now")
-    need_disk = 3 * plan["weight_bytes"] + 1e9  # plain + ours + one lowered or fused file at a time
+    copies = 4 if plan.get("builder") else 3  # plain + ours + one lowered, fused or copied file (+ the model folder)
+    need_disk = copies * plan["weight_bytes"] + 1e9
     free = shutil.disk_usage(plan["work"]).free
     if need_disk > free:
-        return (f"needs about {format_bytes(need_disk)} of disk in {plan['work']} (three copies of the weights); "
+        return (f"needs about {format_bytes(need_disk)} of disk in {plan['work']} ({copies} copies of the weights); "
                 f"{format_bytes(free)} free")
     return ""
 
@@ -174,21 +191,27 @@ def _tail(log: str, lines: int = 3) -> str:
 
 
 def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False, check: bool = True,
-             check_args: tuple[str, ...] = (), say: Callable[[str], None] = lambda message: None,
+             builder: bool = True, per_kind: bool = False, check_args: tuple[str, ...] = (),
+             say: Callable[[str], None] = lambda message: None,
              after_step: Callable[[str, list[Path]], None] | None = None) -> dict:
     """Every step of the scale benchmark on ``size`` in ``work``; the JSON-ready result.
 
+    ``builder``: also run onnxruntime-genai's model builder when it is installed (then every export
+    reads one ``save_pretrained`` folder, ``scale_peers``); its row says why when it cannot run.
+    ``per_kind``: also ``export --hf --trace per-kind`` (its own row; the later steps use the full trace's file).
     ``check_args`` are added to the ``rope-export check`` command (e.g. ``--piece-limit 2``).
     ``after_step(name, outputs)`` is called after each step, before its outputs may be removed
     (the slow test inspects the files there; the check step's output is its report folder)."""
     work.mkdir(parents=True, exist_ok=True)
-    plan = {**weight_plan(size, dtype), "work": str(work)}
+    no_builder = builder_missing() if builder else "left out (--scale-no-builder)"
+    plan = {**weight_plan(size, dtype), "work": str(work), "builder": not no_builder}
     result = {"size": size, "shape": SIZE_NAMES[size], **plan, "memory_plan": memory_plan(plan, dtype), "steps": []}
     why_not = fits(plan)
     if why_not:
         return {**result, "status": "skipped", "reason": why_not}
     config = write_config(size, work / f"{size}-config")
     model, plain = work / "model.onnx", work / "plain.onnx"
+    folder, built, stamped = work / f"{size}-model", work / "builder", work / "model.per-kind.onnx"
     steps = result["steps"]
 
     def step(name: str, argv: list[str], outputs=()) -> dict:
@@ -204,13 +227,41 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
 
     try:
         step("warm-up", [sys.executable, "-c", "import torch, transformers, onnxscript, onnx_ir, rope_export.hf"])
-        for rep in range(reps):  # plain and ours alternate; the first of a pair swaps every repetition
-            pair = [("plain export", [sys.executable, "-m", __name__, "plain", str(config), str(plain),
+        source = config
+        if not no_builder:  # the builder reads weights and a tokenizer: every export of this run reads that folder
+            step("model folder", [sys.executable, "-m", "rope_export.bench.scale_peers", "folder", str(config),
+                                  str(folder), "--dtype", dtype])
+            source = folder
+        for rep in range(reps):  # the exports take turns; their order reverses every repetition
+            runs = [("plain export", [sys.executable, "-m", __name__, "plain", str(source), str(plain),
                                       "--dtype", dtype, "--summary-json", str(work / "plain.summary.json")], plain),
-                    ("export --hf", _cli("export", "--hf", str(config), "--dtype", dtype, "-o", str(model),
+                    ("export --hf", _cli("export", "--hf", str(source), "--dtype", dtype, "-o", str(model),
                                          "--summary-json", str(work / "export.summary.json")), model)]
-            for name, argv, output in pair if rep % 2 == 0 else pair[::-1]:
-                step(name, argv, [output])
+            if per_kind:
+                runs.append((PER_KIND, _cli("export", "--hf", str(source), "--dtype", dtype, "--trace", "per-kind",
+                                            "-o", str(stamped), "--summary-json",
+                                            str(work / "per-kind.summary.json")), stamped))
+            if not no_builder:
+                runs.append((BUILDER, builder_command(folder, built, dtype, work / "builder-cache"),
+                             built / "model.onnx"))
+            for name, argv, output in runs if rep % 2 == 0 else runs[::-1]:
+                record = step(name, argv, [output])
+                if name == PER_KIND:
+                    record["note"] = _trace_of(work / "per-kind.summary.json")
+                    if not keep:
+                        _remove(stamped)
+                if name == BUILDER and not keep:
+                    shutil.rmtree(built, ignore_errors=True)
+                    shutil.rmtree(work / "builder-cache", ignore_errors=True)
+                if name == "export --hf" and rep == 0:  # the disk's speed, on the bytes just written
+                    copied = work / "copy.data"
+                    if data_path(model).is_file():
+                        step(COPY, copy_command(data_path(model), copied), [copied])
+                        copied.unlink(missing_ok=True)
+                    else:
+                        steps.append({"step": COPY, "skipped": "the weights are inside the .onnx (under 2 GB)"})
+        if no_builder:
+            steps.append({"step": BUILDER, "skipped": no_builder})
         for target in TARGETS:
             lowered = work / f"model.{target}.onnx"
             step(f"lower {target}", _cli("lower", str(model), "-t", target, "-o", str(lowered)), [lowered])
@@ -227,7 +278,7 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
             record["note"] = check_note(reports / "check.json")
         else:
             steps.append({"step": "check", "skipped": "left out (--scale-no-check)"})
-        for name in ("export.summary.json", "plain.summary.json", "check.summary.json"):
+        for name in ("export.summary.json", "plain.summary.json", "check.summary.json", "per-kind.summary.json"):
             if (work / name).is_file():
                 result[name.split(".")[0] + "_steps"] = json.loads((work / name).read_text())["steps"]
     except RuntimeError as exc:
@@ -236,7 +287,16 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
         if not keep:
             for path in (model, plain):
                 _remove(path)
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(built, ignore_errors=True)
     return {**result, "status": "measured", "ratios": ratios(result)}
+
+
+def _trace_of(summary: Path) -> str:
+    try:
+        return "trace " + json.loads(summary.read_text()).get("trace", "?")
+    except (OSError, ValueError):
+        return "no summary"
 
 
 def check_command(model: Path, reports: Path, summary: Path, extra: tuple[str, ...] = ()) -> list[str]:
@@ -293,13 +353,31 @@ def ratios(result: dict) -> dict:
     steps, weights = result["steps"], result["weight_bytes"]
     ours_rss, plain_rss = _median(steps, "export --hf", "peak_rss"), _median(steps, "plain export", "peak_rss")
     ours_s, plain_s = _median(steps, "export --hf", "seconds"), _median(steps, "plain export", "seconds")
-    return {
+    out = {
         "export_peak_rss_over_weights": ours_rss / weights,
         "plain_peak_rss_over_weights": plain_rss / weights,
         "export_peak_rss_over_plain": ours_rss / plain_rss,
         "export_time_over_plain": ours_s / plain_s,
         "repetitions": sum(1 for s in steps if s.get("step") == "export --hf"),
     }
+    builder_s, builder_rss = _median(steps, BUILDER, "seconds"), _median(steps, BUILDER, "peak_rss")
+    if builder_s:
+        out.update(export_time_over_builder=ours_s / builder_s, export_peak_rss_over_builder=ours_rss / builder_rss,
+                   builder_peak_rss_over_weights=builder_rss / weights)
+    kind_s, kind_rss = _median(steps, PER_KIND, "seconds"), _median(steps, PER_KIND, "peak_rss")
+    if kind_s:
+        out.update(per_kind_time_over_full=kind_s / ours_s, per_kind_peak_rss_over_weights=kind_rss / weights)
+        if builder_s:
+            out.update(per_kind_time_over_builder=kind_s / builder_s,
+                       per_kind_peak_rss_over_builder=kind_rss / builder_rss)
+    copy = next((s for s in steps if s.get("step") == COPY and s.get("seconds")), None)
+    written = next((f["bytes"] for s in steps if s.get("step") == "export --hf" for f in s.get("files", [])
+                    if f["path"].endswith(".data")), None)
+    write = write_rate(result.get("export_steps", []), written) if written else None
+    if copy and write:
+        out.update(write_mb_s=write / 1e6, copy_mb_s=written / copy["seconds"] / 1e6,
+                   write_over_copy=write * copy["seconds"] / written)
+    return out
 
 
 def goals(section: dict) -> list[dict]:
@@ -320,14 +398,25 @@ def goals(section: dict) -> list[dict]:
              "measured": q["export_time_over_plain"], "unit": "x plain",
              "met": q["export_time_over_plain"] <= TIME_GOAL},
         ]
+        if "export_time_over_builder" in q:  # issue 26: as fast and as small as a graph builder, same folder
+            out += [
+                {"goal": "wall time of export --hf <= onnxruntime-genai's builder's", "where": where,
+                 "measured": q["export_time_over_builder"], "unit": "x builder",
+                 "met": q["export_time_over_builder"] <= 1.0},
+                {"goal": "peak RSS of export --hf <= onnxruntime-genai's builder's", "where": where,
+                 "measured": q["export_peak_rss_over_builder"], "unit": "x builder",
+                 "met": q["export_peak_rss_over_builder"] <= 1.0},
+            ]
     return out
 
 
-def run_section(sizes: tuple[str, ...], work: Path, *, reps: int = 1, keep: bool = False, check: bool = False,
+def run_section(sizes: tuple[str, ...], work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False,
+                check: bool = False, builder: bool = True, per_kind: bool = False,
                 say: Callable[[str], None] = lambda message: None) -> dict:
     results = []
     for size in sizes:
-        results.append(run_size(size, Path(work) / size, reps=reps, keep=keep, check=check, say=say))
+        results.append(run_size(size, Path(work) / size, dtype=dtype, reps=reps, keep=keep, check=check,
+                                builder=builder, per_kind=per_kind, say=say))
         if results[-1]["status"] != "measured":
             say(f"scale {size}: {results[-1]['status']}: {results[-1]['reason']}")
     return {"title": "real-size model, each step in its own process", "sizes": results, "work": str(work)}
@@ -345,13 +434,20 @@ def plain_export(config_dir: str | os.PathLike, output: str | os.PathLike, *, dt
 
     from rope_export.export import DTYPES
     from rope_export.hf import CausalLMWithCache, hf_example_inputs, hf_io_names
+    from rope_export.hf.loading import weights_beside
 
     say = progress or (lambda message: None)
-    say("building the model (transformers from_config)")
-    config = transformers.AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                          dtype=DTYPES[dtype]).eval()
+    if weights_beside(config_dir) is not None:  # a checkpoint folder: what a user loads
+        say("loading the model (transformers from_pretrained)")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(config_dir), local_files_only=True,
+                                                                  attn_implementation="eager",
+                                                                  dtype=DTYPES[dtype]).eval()
+    else:
+        say("building the model (transformers from_config)")
+        config = transformers.AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                              dtype=DTYPES[dtype]).eval()
     inputs = hf_example_inputs(model)
     layers = (len(inputs) - 2) // 2
     batch, seq = torch.export.Dim("batch", min=1, max=4096), torch.export.Dim("seq", min=1, max=2**20)

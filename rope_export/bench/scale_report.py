@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 
+from rope_export.bench.scale_peers import BUILDER, PER_KIND
 from rope_export.bounds import format_bytes
 from rope_export.plotting import pyplot_or_none, save_png
 
@@ -39,7 +40,25 @@ def _ratio_line(size: dict) -> str:
     return (f"export --hf against the plain export: peak RSS {q['export_peak_rss_over_plain']:.2f}x, wall time "
             f"{q['export_time_over_plain']:.2f}x; peak RSS over the weights: ours "
             f"{q['export_peak_rss_over_weights']:.2f}x, plain {q['plain_peak_rss_over_weights']:.2f}x "
-            f"({q['repetitions']} run(s) each, medians)")
+            f"({q['repetitions']} run(s) each, medians)" + _peer_line(q))
+
+
+def _peer_line(q: dict) -> str:
+    """The builder's ratios and the write rate against cp, where measured."""
+    text = ""
+    if "export_time_over_builder" in q:
+        text += (f"; against onnxruntime-genai's builder (same folder and dtype): wall time "
+                 f"{q['export_time_over_builder']:.2f}x, peak RSS {q['export_peak_rss_over_builder']:.2f}x "
+                 f"(builder's RSS {q['builder_peak_rss_over_weights']:.2f}x the weights)")
+    if "per_kind_time_over_full" in q:
+        text += (f"; --trace per-kind: wall time {q['per_kind_time_over_full']:.2f}x the full trace's"
+                 + (f", {q['per_kind_time_over_builder']:.2f}x the builder's, peak RSS "
+                    f"{q['per_kind_peak_rss_over_builder']:.2f}x the builder's" if "per_kind_time_over_builder" in q
+                    else ""))
+    if "write_over_copy" in q:
+        text += (f"; writing {q['write_mb_s']:.0f} MB/s against cp's {q['copy_mb_s']:.0f} MB/s on the same bytes "
+                 f"({q['write_over_copy']:.2f}x)")
+    return text
 
 
 def _plan_line(size: dict) -> str:
@@ -53,7 +72,8 @@ def _plan_line(size: dict) -> str:
 def _inner(size: dict) -> list[tuple[str, str, str, str]]:
     """(command, inner step, time, peak RSS) from the two exports' and the check's own step logs."""
     out = []
-    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS), ("check_steps", CHECK)):
+    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS), ("per-kind_steps", PER_KIND),
+                       ("check_steps", CHECK)):
         for s in size.get(key, []):
             out.append((label, s["name"], f"{s['seconds']:.1f} s", format_bytes(s["peak_rss"])))
     return out
@@ -110,8 +130,8 @@ def plot(section: dict, path: str | os.PathLike) -> bool:
     for row, size in zip(axes, sizes, strict=True):
         steps = [s for s in size["steps"] if "seconds" in s and s["step"] != "warm-up"]
         names = list(dict.fromkeys(s["step"] for s in steps))
-        colors = ["tab:gray" if n == PLAIN else "tab:blue" if n == OURS else "tab:orange" if n == CHECK else "tab:green"
-                  for n in names]
+        colors = ["tab:gray" if n == PLAIN else "tab:blue" if n == OURS else "tab:orange" if n == CHECK else
+                  "tab:purple" if n == BUILDER else "tab:green" for n in names]
         seconds = [statistics.median(s["seconds"] for s in steps if s["step"] == n) for n in names]
         peaks = [statistics.median(s["peak_rss"] for s in steps if s["step"] == n) / 1e9 for n in names]
         row[0].bar(names, seconds, color=colors)

@@ -28,8 +28,8 @@ def run_hf_export(args) -> int:
     except ImportError:
         raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
     if args.hf is None:
-        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer, --hf-family, --attention-mask and "
-                            "--kv-buffer need --hf CONFIG_DIR_OR_JSON")
+        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer, --hf-family, --attention-mask, "
+                            "--trace and --kv-buffer need --hf CONFIG_DIR_OR_JSON")
     if args.random_weights and args.weights is not None:
         raise HFExportError("--random-weights and --weights exclude each other: give one")
     if args.hf_family is not None and args.hf_family not in HF_FAMILIES:  # before the minutes of building
@@ -62,10 +62,12 @@ def run_hf_export(args) -> int:
                            allow_no_rope=bool(args.allow_no_rope), opset=args.opset,
                            attention_mask=bool(args.attention_mask), kv_buffer=bool(args.kv_buffer),
                            external=args.external_data, weights=None if weights is None else str(weights),
-                           seed=args.seed, progress=progress,
+                           seed=args.seed, trace=args.trace or "full", progress=progress,
                            verbose=args.verbose)
+        progress.facts["trace"] = result.trace  # which path ran, for --summary-json as for the line below
         progress.add_files(output_files(args.output))
     console.print(weights_line, soft_wrap=True, markup=False, highlight=False)  # the summary's first line
+    console.print(f"trace: {result.trace}", soft_wrap=True, markup=False, highlight=False)
     summary = summarize(result.model)
     table = Table(title=f"{result.path} ({type(model).__name__}, {args.dtype})")
     table.add_column("what")
@@ -73,6 +75,7 @@ def run_hf_export(args) -> int:
     table.add_row("model type", f"{model.config.model_type} ({result.family.notes or 'detected by code'})")
     table.add_row("weights", weights_line)
     table.add_row("rotary hook", result.hook)
+    table.add_row("trace", result.trace)
     table.add_row("rotations in eager transformers", str(result.rotations))
     table.add_row(f"{contract.DOMAIN}::{contract.OP_TYPE} nodes", str(summary["custom_nodes"]))
     table.add_row("nodes", str(summary["nodes"]))

@@ -42,7 +42,7 @@ from rope_export.export import (
     graph_proto,
     rename_dynamic_dims,
 )
-from rope_export.export_command import HF_FALLBACKS
+from rope_export.export_command import HF_FALLBACKS, HF_TRACES
 from rope_export.hf.cache_io import (
     AttentionWithCache,
     CacheLayout,
@@ -57,11 +57,13 @@ from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, family_of, text_config
 from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
 from rope_export.hf.metadata import hf_metadata
+from rope_export.hf.stamping import NotStampable, layer_kinds, reduced, stamp, traced_count, weights_kept_apart
 
 # --hf-fallback: what happens when no rotary function verifies. "auto" (default): plain export, then
 # fuse. "error": refuse. "plain": no hook and no fusion (RoPE stays decomposed, said as a warning).
 # "fuse": skip the hook even if a function verifies (plain export, then fuse).
 FALLBACKS = HF_FALLBACKS  # the names live with export's parser, which imports no torch
+TRACES = HF_TRACES  # --trace: every layer, or two decoder layers stamped per layer where proven
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class HFExportResult:
     notes: list[str] = field(default_factory=list)
     rotations: int = 0  # rotations transformers performs in one eager forward
     layout: CacheLayout | None = None
+    trace: str = "full"  # "full", "full (per-kind not used: why)" or "per-kind: ..." (rope_export.hf.stamping)
 
     @property
     def custom_nodes(self) -> int:
@@ -273,6 +276,7 @@ def export_hf(
     attention_mask: bool = False,
     kv_buffer: bool = False,
     external: str = "auto",
+    trace: str = "full",
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
 ) -> HFExportResult:
@@ -296,11 +300,15 @@ def export_hf(
     (``rope_export.hf.kv_buffer``; opset 24). ``external``: where the weights go
     (``onnx_files.EXTERNAL_DATA``); they are streamed from the model's tensors to disk, never copied
     into one ModelProto. A model that performs no rotation at all (GPT-2) is refused, or with
-    ``allow_no_rope`` written with a warning and a note.
+    ``allow_no_rope`` written with a warning and a note. ``trace``: ``"full"`` (default) traces every
+    layer; ``"per-kind"`` traces two decoder layers and stamps the rest (``rope_export.hf.stamping``)
+    where that is proven, else the full trace; ``HFExportResult.trace`` says which ran and why.
     """
     say = progress or (lambda message: None)
     if fallback not in FALLBACKS:
         raise HFExportError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+    if trace not in TRACES:
+        raise HFExportError(f"trace must be one of {', '.join(TRACES)}, got {trace!r}")
     _check_opset(opset)
     if output is not None:
         _check_writable(Path(output))
@@ -329,19 +337,34 @@ def export_hf(
     if not functions and fallback == "error":
         raise HFExportError(f"no function {type(model).__name__} calls verifies as a rotary form, and "
                             "fallback='error' was asked; drop it to export plain and fuse")
-    say(f"exporting {type(model).__name__} ({kind}, {len(layout.layers)} cache layers) with torch.export")
-    hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
-    try:
-        with model_state_kept(model), hook_ctx as hook, _buffer_attention(model, kv_buffer):
-            program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say,
-                              extra=_buffer_translations(kv_buffer))
-    except HFExportError:
-        raise
-    except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
-        raise _export_failure(model, exc, layout) from exc
+    program, traced = None, "full"
+    if trace == "per-kind":
+        why = ("--layer" if layer is not None else "--attention-mask" if attention_mask else
+               "--kv-buffer" if kv_buffer else "")
+        why = f"{why} exports are traced in full" if why else ""
+        if not why:
+            try:
+                program, hook, traced = _per_kind(model, fam, functions, census, layout, input_names, output_names,
+                                                  (batch, seq, past), seed, opset, fallback, notes, verbose, say)
+            except NotStampable as exc:
+                why = str(exc)
+        if program is None:
+            traced = f"full (per-kind not used: {why})"
+            say(f"tracing every layer: {why}")
+    if program is None:
+        say(f"exporting {type(model).__name__} ({kind}, {len(layout.layers)} cache layers) with torch.export")
+        hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
+        try:
+            with model_state_kept(model), hook_ctx as hook, _buffer_attention(model, kv_buffer):
+                program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say,
+                                  extra=_buffer_translations(kv_buffer))
+        except HFExportError:
+            raise
+        except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
+            raise _export_failure(model, exc, layout) from exc
+        if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
+            _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
     description = _describe(hook, fallback)
-    if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
-        _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
     onnx_model = graph_proto(program)  # the graph to edit; the weights stay in torch until finish_export
     _check_dynamic(onnx_model, fam.position_rank)
     _name_dims(onnx_model, fam.position_rank, layout, attention_mask or kv_buffer)
@@ -365,7 +388,7 @@ def export_hf(
     onnx_model.producer_name, onnx_model.producer_version = "rope-export", __version__
     onnx_model = finish_export(onnx_model, program, output, external=external, progress=say)
     return HFExportResult(onnx_model, None if output is None else Path(output), fam, description, len(layout.layers),
-                          kind, notes, report.expected, layout)
+                          kind, notes, report.expected, layout, traced)
 
 
 def _buffer_attention(model, kv_buffer: bool):
@@ -391,3 +414,48 @@ def _describe(hook: HookState | None, fallback: str) -> str:
         return "none (plain export: RoPE decomposed)"
     return "none (no rotary function verified): plain export fused by rope_export.passes.fuse"
 
+
+
+def _per_kind(model, fam, functions, census, layout, input_names, output_names, example, seed, opset, fallback,
+              notes, verbose, say):
+    """(program, hook, what ran): the model cut to its leading decoder layers (each kind at least once past
+    layer 0), traced, fused, stamped per layer; the rotary nodes per layer must equal transformers' rotations
+    per layer. NotStampable says why not."""
+    import warnings
+
+    from rope_export.detect import compare_with_file
+
+    kinds = layer_kinds(model, layout)
+    n, traced = len(kinds), traced_count(kinds)
+    batch, seq, past = example
+    hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
+    say(f"exporting {type(model).__name__} cut to {traced} of its {n} decoder layers with torch.export "
+        f"({len(set(kinds))} kind(s) of layer)")
+    try:
+        with model_state_kept(model), reduced(model, traced) as layers_name, hook_ctx as hook, weights_kept_apart():
+            small = cache_layout(model)
+            inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
+                                       position_rank=fam.position_rank, layout=small)
+            module, inputs, shapes, names_in, names_out, _ = _wrapper(model, None, inputs, small, fam.position_rank,
+                                                                     seed)
+            program = _export(module, inputs, shapes, names_in, names_out, opset, verbose, say)
+            prefix = next(name for name, m in module.named_modules() if m is model) + "."
+    except Exception as exc:  # noqa: BLE001 - whatever fails on two layers is left to the full trace to report
+        raise NotStampable(f"the {traced}-layer trace failed ({type(exc).__name__})") from exc
+    want = census.by_layer(census.plain)
+    if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) <
+                                sum(c for layer, c in want.items() if layer is None or layer < traced)):
+        _fuse(program, notes, hooked=hook is not None)
+    say(f"stamping the traced layers {n - traced} times with each layer's weights and cache")
+    added = stamp(program.model, model, layers_name=layers_name, onnx_prefix=prefix, kinds=kinds,
+                  input_names=input_names, output_names=output_names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            report = compare_with_file(census, program.model, allow_decomposed=True)
+        except Exception as exc:  # noqa: BLE001 - more nodes than rotations
+            raise NotStampable(f"the stamped file's rotary nodes disagree with transformers ({exc})") from exc
+    if not report.layers or any(w != h for w, h in report.layers.values()):
+        raise NotStampable("the stamped file's rotary nodes per layer differ from transformers' rotations per layer")
+    return program, hook, (f"per-kind: {traced} of {n} decoder layers traced ({len(set(kinds))} kind(s)), "
+                           f"{n - traced} stamped ({added} nodes)")

@@ -1,0 +1,342 @@
+"""Trace once per kind of decoder layer: trace the leading layers, stamp one traced layer per real layer.
+
+Tracing, decomposing and optimizing scale with the number of layers although layers of one kind
+are one graph with other weights. ``export_hf(trace="per-kind")`` groups the decoder layers into
+kinds (``layer_kinds``: same classes, plain attributes with ``layer_idx`` aside, parameter shapes
+and dtypes, ``layer_types`` entry and cache slots), exports the model cut to its leading layers
+until every kind has appeared at a position past layer 0 (``traced_count``, ``reduced``: two
+layers for a dense model), then ``stamp`` copies, for each further layer, the nodes of the first
+traced layer of its kind, with that layer's weights (the torch tensors, or the same strided view
+onnxscript folded a Transpose into) and cache inputs/outputs. Past layer 0, because a copy reads
+from the copy before it what that traced layer read from the layer before it: the hidden state,
+and nothing else; what the layers read from outside (cos/sin, masks, shape constants) is shared.
+
+Only what this module can check is stamped; anything else raises ``NotStampable`` with the
+reason, and the caller falls back to the full trace and says so:
+* the cache is one key/value pair per layer (recurrent and indexer caches: full trace so far);
+* each template (a traced layer's own computation: the nodes that read its weights, its cache
+  inputs or the hidden state) reads exactly one value of the layer before and hands exactly one
+  on, the one the next traced layer reads; it reads every one of its parameters as such (or as a
+  view), and besides them only small constants (shapes, scalars) and values computed outside it;
+* the stamped graph's rotary nodes per layer equal the rotations transformers performs per layer
+  (checked by the caller).
+Not detectable here: code that branches on ``layer_idx`` inside ``forward`` (not through an
+attribute or ``layer_types``) beyond the traced layers. Hence the opt-in; the quick zoo's tests
+compare every stamped type with its full trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from rope_export.hf.families import text_config
+
+SCOPES = "pkg.torch.onnx.name_scopes"
+NAMESPACE = "namespace"
+MIN_LAYERS = 3  # with two or fewer layers the full trace is as short
+SHARED_LIMIT = 4096  # bytes: a constant a layer shares with the others is a shape or a scalar, not a folded weight
+
+
+class NotStampable(Exception):
+    """Why the per-kind trace cannot be used for this model (the full trace is taken)."""
+
+
+def decoder_layers(model) -> tuple[torch.nn.Module, str, torch.nn.ModuleList, str]:
+    """(the module holding the decoder layers, its attribute, the ModuleList, its qualified name)."""
+    n = getattr(text_config(model.config), "num_hidden_layers", None)
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) == n and name.rsplit(".", 1)[-1] == "layers"]
+    if len(found) != 1:
+        raise NotStampable(f"no single ModuleList 'layers' of num_hidden_layers={n} modules")
+    name, layers = found[0]
+    parent_name, _, attribute = name.rpartition(".")
+    return model.get_submodule(parent_name), attribute, layers, name
+
+
+def _plain_attributes(module: torch.nn.Module) -> dict:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "layer_idx"
+            and isinstance(v, (bool, int, float, str, tuple, type(None)))}
+
+
+def _signature(layer: torch.nn.Module, layer_type, io) -> tuple:
+    """What makes two decoder layers one kind: classes, plain attributes, parameters, layer type, cache."""
+    modules = tuple((n, type(m).__qualname__, tuple(sorted(_plain_attributes(m).items(), key=str)))
+                    for n, m in layer.named_modules())
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
+    return modules, params, layer_type, tuple((s.name, s.shape, s.past_axis) for s in io.slots)
+
+
+def layer_kinds(model, layout) -> list[int]:
+    """Each decoder layer's kind (the index of the first layer like it); NotStampable when layers cannot
+    be grouped or nothing would be gained."""
+    _, _, layers, _ = decoder_layers(model)
+    if len(layers) < MIN_LAYERS:
+        raise NotStampable(f"{len(layers)} decoder layers: the full trace is as short")
+    if [io.index for io in layout.layers] != list(range(len(layers))):
+        raise NotStampable("the cache layers are not one per decoder layer")
+    if any(set(io.names()) - {"key", "value"} for io in layout.layers):
+        raise NotStampable("layers with recurrent or indexer caches are traced in full so far")
+    types = list(getattr(text_config(model.config), "layer_types", None) or [None] * len(layers))
+    signatures = [_signature(layer, types[i] if i < len(types) else None, layout.layers[i])
+                  for i, layer in enumerate(layers)]
+    kinds = [signatures.index(sig) for sig in signatures]
+    if traced_count(kinds) >= len(layers):
+        raise NotStampable(f"{len(set(kinds))} kinds of layers: every layer would be traced anyway")
+    return kinds
+
+
+def traced_count(kinds: list[int]) -> int:
+    """How many leading layers to trace: each kind of a layer past 0 must appear at a position >= 1 (its
+    template reads the hidden state a traced layer before it hands on); a kind of layer 0 alone (DeepSeek's
+    dense first layer) needs no template."""
+    return 1 + max(kinds.index(k, 1) for k in set(kinds[1:]))
+
+
+@contextlib.contextmanager
+def reduced(model, keep: int = 2) -> Iterator[str]:
+    """The model cut to its first ``keep`` decoder layers (config too); yields the layers' qualified name."""
+    holder, attribute, layers, name = decoder_layers(model)
+    config = text_config(model.config)
+    saved_types = getattr(config, "layer_types", None)
+    saved_n = config.num_hidden_layers
+    setattr(holder, attribute, torch.nn.ModuleList(list(layers)[:keep]))
+    config.num_hidden_layers = keep
+    if saved_types is not None:
+        config.layer_types = list(saved_types)[:keep]
+    try:
+        yield name
+    finally:
+        setattr(holder, attribute, layers)
+        config.num_hidden_layers = saved_n
+        if saved_types is not None:
+            config.layer_types = saved_types
+
+
+@contextlib.contextmanager
+def weights_kept_apart() -> Iterator[None]:
+    """onnxscript's optimizer merges equal small initializers (``DeduplicateInitializersPass``, up to 1024
+    elements): two layers' norm weights of ones would become one tensor, and a copy could not tell whose
+    weight it reads. Off while the two layers are traced; where it cannot be turned off, ``stamp``
+    refuses a layer that does not read each of its own parameters."""
+    try:
+        from onnx_ir.passes.common.initializer_deduplication import DeduplicateInitializersPass
+    except ImportError:
+        yield
+        return
+    init = DeduplicateInitializersPass.__init__
+    saved = init.__defaults__
+    if saved != (1024,):  # another onnx_ir: leave it alone
+        yield
+        return
+    init.__defaults__ = (0,)  # size_limit 0: every initializer is past the limit, none is merged
+    try:
+        yield
+    finally:
+        init.__defaults__ = saved
+
+
+# -- stamping the traced graph ------------------------------------------------------------------
+
+def _layer_of(node: ir.Node, scope: re.Pattern) -> int | None:
+    found = scope.search(node.metadata_props.get(SCOPES, ""))
+    return int(found.group(1)) if found else None
+
+
+def _refuse_subgraphs(node: ir.Node) -> None:
+    if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
+        raise NotStampable(f"{node.name} holds a subgraph")
+
+
+class _Weights:
+    """Layer L's counterpart of a second-layer initializer: the parameter itself, or the same view of it."""
+
+    def __init__(self, graph: ir.Graph, model, onnx_prefix: str, layers_name: str, traced: int):
+        from torch.onnx._internal.exporter._core import TorchTensor
+
+        self.TorchTensor = TorchTensor
+        self.graph, self.onnx_prefix, self.layers_name = graph, onnx_prefix, layers_name
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.by_pointer = {layer: {p.data_ptr(): n[len(f"{layers_name}.{layer}."):] for n, p in self.params.items()
+                                   if n.startswith(f"{layers_name}.{layer}.")} for layer in range(traced)}
+        self.made: dict[tuple[int, str], ir.Value] = {}
+
+    def names(self, layer: int) -> list[str]:
+        head = f"{self.layers_name}.{layer}."
+        return [n[len(head):] for n in self.params if n.startswith(head)]
+
+    def rest_of(self, value: ir.Value, layer: int) -> str | None:
+        """The parameter name after "layers.<layer>." that ``value`` holds or views; None if none."""
+        head = f"{self.onnx_prefix}{self.layers_name}.{layer}."
+        if value.name.startswith(head) and f"{self.layers_name}.{layer}.{value.name[len(head):]}" in self.params:
+            return value.name[len(head):]
+        raw = getattr(value.const_value, "raw", None)
+        if isinstance(raw, np.ndarray):
+            rest = self.by_pointer[layer].get(raw.__array_interface__["data"][0])
+            param = self.params.get(f"{self.layers_name}.{layer}.{rest}")
+            if rest is not None and param is not None and param.is_contiguous() and \
+                    raw.itemsize == param.element_size():
+                return rest
+        return None
+
+    def value(self, template: ir.Value, layer: int, rest: str) -> ir.Value:
+        key = (layer, template.name)
+        if key in self.made:
+            return self.made[key]
+        param = self.params.get(f"{self.layers_name}.{layer}.{rest}")
+        if param is None or not param.is_contiguous():
+            raise NotStampable(f"layer {layer} has no contiguous parameter {rest}")
+        raw = getattr(template.const_value, "raw", None)
+        if isinstance(raw, np.ndarray):  # the view onnxscript folded a Transpose into, taken of layer L's weight
+            array = param.detach()
+            array = (array.view(torch.uint16) if array.dtype == torch.bfloat16 else array).numpy().view(raw.dtype)
+            view = np.lib.stride_tricks.as_strided(array, shape=raw.shape, strides=raw.strides, writeable=False)
+            name = f"{template.name}__layer{layer}"
+            tensor = ir.Tensor(view, dtype=template.const_value.dtype, name=name)
+        else:
+            name = f"{self.onnx_prefix}{self.layers_name}.{layer}.{rest}"
+            tensor = self.TorchTensor(param, name=name)
+        value = ir.Value(name=name, shape=template.shape, type=template.type, const_value=tensor)
+        self.graph.register_initializer(value)
+        self.made[key] = value
+        return value
+
+
+def _depends(nodes: list[ir.Node], seeds: set[ir.Value]) -> list[ir.Node]:
+    """The nodes of ``nodes`` (in graph order) that read a seed, directly or through each other."""
+    reached, chain = set(seeds), []
+    for node in nodes:
+        if any(v is not None and v in reached for v in node.inputs):
+            chain.append(node)
+            reached.update(node.outputs)
+    return chain
+
+
+def _params_of(layer: int, nodes: list[ir.Node], weights: _Weights) -> set[ir.Value]:
+    return {v for node in nodes for v in node.inputs
+            if v is not None and v.is_initializer() and weights.rest_of(v, layer) is not None}
+
+
+def _caches(inputs: dict, layer: int) -> set[ir.Value]:
+    return {v for name, v in inputs.items() if re.fullmatch(rf"past_key_values\.{layer}\.\w+", name)}
+
+
+def _template(j: int, nodes: list[ir.Node], chain_before: set[ir.Node], inputs: dict, weights: _Weights):
+    """(the nodes of traced layer j's own computation, the hidden state it reads, the one it hands on)."""
+    handoff = {v for node in nodes for v in node.inputs if v is not None and v.producer() in chain_before}
+    if len(handoff) != 1:
+        raise NotStampable(f"layer {j} reads {len(handoff)} values of the layer before (one hidden state expected)")
+    template = _depends(nodes, handoff | _caches(inputs, j) | _params_of(j, nodes, weights))
+    own = set(template)
+    for node in template:
+        _refuse_subgraphs(node)
+    read = {weights.rest_of(v, j) for v in _params_of(j, template, weights)}
+    unread = sorted(set(weights.names(j)) - read)
+    if unread:  # a weight folded into a constant that is no view of it would be shared by every copy
+        raise NotStampable(f"layer {j} does not read its parameter {unread[0]} as such (folded into a constant)")
+    large = [v.name for node in template for v in node.inputs if v is not None and v.is_initializer()
+             and weights.rest_of(v, j) is None and v.const_value is not None and v.const_value.nbytes > SHARED_LIMIT]
+    if large:
+        raise NotStampable(f"layer {j} reads a large constant {large[0]} that is none of its weights")
+    leaving = {v for node in template for v in node.outputs
+               if not (v.is_graph_output() and re.fullmatch(rf"present\.{j}\.\w+", v.name or ""))
+               and (v.is_graph_output() or any(use.node not in own for use in v.uses()))}
+    if len(leaving) != 1 or next(iter(leaving)).is_graph_output():
+        raise NotStampable(f"layer {j} hands on {len(leaving)} values (one hidden state expected)")
+    return template, next(iter(handoff)), next(iter(leaving))
+
+
+def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str, kinds: list[int],
+          input_names: list[str], output_names: list[str]) -> int:
+    """Expand the traced leading layers to ``len(kinds)`` in place (see the module doc): layer L is a copy of
+    the first traced layer (past layer 0) of its kind. Returns the nodes added; NotStampable when the graph
+    is not what this module can check (the caller drops the graph)."""
+    graph = program_model.graph
+    traced, n_layers = traced_count(kinds), len(kinds)
+    prefix = f"{onnx_prefix}{layers_name}"
+    scope = re.compile(re.escape(prefix) + r"\.(\d+)(?!\d)")
+    nodes = list(graph)
+    layer_of = {node: _layer_of(node, scope) for node in nodes}
+    by_layer = [[n for n in nodes if layer_of[n] == j] for j in range(traced)]
+    if not all(by_layer) or any(layer is not None and layer >= traced for layer in layer_of.values()):
+        raise NotStampable("the traced graph's nodes carry no decoder-layer scopes for every traced layer")
+    last = by_layer[-1]
+    start, end = nodes.index(last[0]), nodes.index(last[-1])
+    if any(layer_of[n] != traced - 1 for n in nodes[start:end + 1]) or \
+            any(layer_of[n] is not None and layer_of[n] < traced - 1 for n in nodes[start:]):
+        raise NotStampable("other nodes lie between the last traced layer's nodes")
+    inputs = {v.name: v for v in graph.inputs}
+    outputs = {v.name: v for v in graph.outputs}
+    weights = _Weights(graph, model, onnx_prefix, layers_name, traced)
+    chain = set(_depends(by_layer[0], _params_of(0, by_layer[0], weights) | _caches(inputs, 0)))
+    templates = {}  # traced layer j >= 1 -> (template, hidden in, hidden out)
+    for j in range(1, traced):
+        templates[j] = _template(j, by_layer[j], chain, inputs, weights)
+        chain = set(templates[j][0])
+    for j in range(1, traced - 1):  # each traced layer hands on exactly what the next one reads
+        if templates[j][2] is not templates[j + 1][1]:
+            raise NotStampable(f"layer {j + 1} reads another value than the hidden state layer {j} hands on")
+    source = {k: next(j for j in range(1, traced) if kinds[j] == k) for k in set(kinds)}
+
+    previous = templates[traced - 1][2]
+    hidden_out = previous
+    added: list[ir.Node] = []
+    new_inputs: dict[str, ir.Value] = {}
+    for layer in range(traced, n_layers):
+        j = source[kinds[layer]]
+        template, hidden_in, out = templates[j]
+        own = set(template)
+        made: dict[ir.Value, ir.Value] = {}
+        for node in template:
+            args = []
+            for v in node.inputs:
+                if v is None:
+                    args.append(None)
+                elif v in made:
+                    args.append(made[v])
+                elif v is hidden_in:
+                    args.append(previous)
+                elif v.is_graph_input() and re.fullmatch(rf"past_key_values\.{j}\.\w+", v.name):
+                    name = f"past_key_values.{layer}.{v.name.split('.', 2)[2]}"
+                    if name not in new_inputs:
+                        new_inputs[name] = ir.Value(name=name, shape=v.shape, type=v.type)
+                    args.append(new_inputs[name])
+                elif v.is_initializer() and weights.rest_of(v, j) is not None:
+                    args.append(weights.value(v, layer, weights.rest_of(v, j)))
+                elif v.producer() is not None and v.producer() in own:
+                    raise NotStampable(f"{node.name} reads a value of layer {j} before it is made")
+                else:  # computed outside the layers' own chains (cos/sin, masks, shapes, constants): shared
+                    args.append(v)
+            clone = ir.Node(node.domain, node.op_type, args, attributes=list(node.attributes.values()),
+                            overload=node.overload, num_outputs=len(node.outputs), version=node.version,
+                            name=f"{node.name}__layer{layer}")
+            for key, text in node.metadata_props.items():
+                clone.metadata_props[key] = scope.sub(f"{prefix}.{layer}", text) if key in (SCOPES, NAMESPACE) else text
+            for old, new in zip(node.outputs, clone.outputs, strict=True):
+                new.shape, new.type = old.shape, old.type
+                cache = re.fullmatch(rf"present\.{j}\.(\w+)", old.name or "")
+                new.name = f"present.{layer}.{cache.group(1)}" if cache and old.name in outputs else \
+                    f"{old.name}__layer{layer}"
+                made[old] = new
+            added.append(clone)
+        previous = made[out]
+    present = {**outputs, **{v.name: v for node in added for v in node.outputs if v.name in output_names}}
+    every_input = {**inputs, **new_inputs}
+    missing = [n for n in input_names if n not in every_input] + [n for n in output_names if n not in present]
+    if missing:
+        raise NotStampable(f"the stamped graph would lack {', '.join(missing[:3])}")
+    graph.insert_after(last[-1], added)
+    skip = set(added) | set(templates[traced - 1][0])
+    for use in list(hidden_out.uses()):  # the nodes after the layers read the last copy's hidden state
+        if use.node not in skip:
+            use.node.replace_input_with(use.idx, previous)
+    graph.inputs.clear()
+    graph.inputs.extend(every_input[n] for n in input_names)
+    graph.outputs.clear()
+    graph.outputs.extend(present[n] for n in output_names)
+    return len(added)

@@ -1,0 +1,115 @@
+"""rope_export.hf.stamping: ``export_hf(trace="per-kind")`` against the full trace.
+
+For every exporting type of the quick zoo (``test_hf_zoo.FAST``) either the per-kind trace ran and
+its file has the full trace's rotary nodes and computes the same logits and presents on
+onnxruntime (prefill and a decode step: ``hf_zoo.compare_with_transformers`` on both files, and
+the two files' outputs side by side), or the full trace ran and the result names why. Llama (one
+kind, stamped) and Gemma 3 (sliding and full layers: the fallback) run in ``make test``; the sweep
+is slow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import hf_zoo  # noqa: E402
+from test_hf_zoo import FAST, RESULTS  # noqa: E402
+
+from rope_export import hf  # noqa: E402
+
+EXPORTING = [t for t in FAST if RESULTS.get(t, {}).get("status") == "pass"]
+# one stamped (dense, a type with no entry of ours), one not (Gemma folds 1 + norm weight into a constant)
+QUICK = {"olmo": "per-kind", "gemma3_text": "full"}
+
+
+LAYERS = 4  # the zoo's tiny configs have 2 layers: stamping needs 3 or more
+
+
+def build(model_type: str, layers: int = LAYERS):
+    """The zoo's tiny model of the type with ``layers`` decoder layers (its per-layer lists repeated to
+    match); 3 where 4 does not build (Gemma 4's per-layer geometry wants its full layers alike)."""
+    import torch
+    from hf_zoo_configs import tiny_config
+
+    from rope_export.hf.families import text_config
+
+    config = tiny_config(model_type)
+    text = text_config(config)
+    before = text.num_hidden_layers
+    for key, value in list(vars(text).items()):  # per-layer lists (layer_types, mlp_layer_types, no_rope_layers...)
+        if isinstance(value, list) and len(value) == before:
+            setattr(text, key, (value * layers)[:layers])
+    text.num_hidden_layers = layers
+    try:
+        model = hf.build_hf_model(config, seed=0)
+    except Exception as exc:  # noqa: BLE001
+        if layers > 3:
+            return build(model_type, 3)
+        pytest.skip(f"the tiny {model_type} config does not build with {LAYERS} or 3 layers: {type(exc).__name__}")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # as hf_zoo.build: no zero routers, whose top-k ties either side may break
+        for parameter in model.parameters():
+            if parameter.numel() > 1 and parameter.is_floating_point() and not parameter.any():
+                parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator))
+            elif parameter.is_floating_point():  # every layer's weights its own (norms are all ones at init),
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))  # so a mix-up shows
+    return model
+
+
+def _weights(result: hf.HFExportResult) -> list[tuple[int, ...]]:
+    return sorted(tuple(t.dims) for t in result.model.graph.initializer if np.prod(t.dims) * 4 > 4096)
+
+
+def _outputs(result: hf.HFExportResult) -> list[np.ndarray]:
+    run = hf_zoo.runner(result.model)
+    rank = result.family.position_rank
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, hf_zoo.VOCAB, (hf_zoo.BATCH, 3))
+    past = [rng.standard_normal(shape).astype(np.float32) for io in result.layout.layers
+            for shape in io.shapes(hf_zoo.BATCH, 4)]
+    return run([ids, hf_zoo.positions(rank, 4, 3).numpy(), *past])
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=[] if t in QUICK else [pytest.mark.slow])
+                                        for t in EXPORTING])
+def test_per_kind_equals_the_full_trace_or_names_the_fallback(model_type):
+    model = build(model_type)
+    stamped = hf.export_hf(model, trace="per-kind")
+    print(f"{model_type}: {stamped.trace}")  # the sweep's record (pytest -rP) of which path each type takes
+    assert stamped.trace.startswith(QUICK.get(model_type, ""))
+    if stamped.trace.startswith("full (per-kind not used: "):
+        assert len(stamped.trace) > len("full (per-kind not used: )")
+        return
+    full = hf.export_hf(model)
+    assert full.trace == "full"
+    assert stamped.trace.startswith("per-kind: "), stamped.trace
+    assert stamped.custom_nodes == full.custom_nodes == stamped.rotations
+    assert [i.name for i in stamped.model.graph.input] == [i.name for i in full.model.graph.input]
+    assert [o.name for o in stamped.model.graph.output] == [o.name for o in full.model.graph.output]
+    # the same weights (the two-layer trace keeps equal small constants apart, so those may be more)
+    assert _weights(stamped) == _weights(full)
+    hf_zoo.compare_with_transformers(model, stamped)
+    for a, b in zip(_outputs(full), _outputs(stamped), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cli_says_which_trace_ran(tmp_path, capsys):
+    from hf_zoo_configs import tiny_config
+
+    from rope_export.cli import main
+
+    config = tiny_config("olmo")
+    config.num_hidden_layers = LAYERS
+    (tmp_path / "cfg").mkdir()
+    config.save_pretrained(tmp_path / "cfg")
+    summary = tmp_path / "summary.json"
+    assert main(["export", "--hf", str(tmp_path / "cfg"), "--trace", "per-kind", "-o", str(tmp_path / "m.onnx"),
+                 "--summary-json", str(summary)]) == 0
+    trace = json.loads(summary.read_text())["trace"]
+    assert trace.startswith("per-kind: 2 of ")
+    assert f"trace: {trace}" in capsys.readouterr().out

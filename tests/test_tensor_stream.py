@@ -1,0 +1,82 @@
+"""rope_export.tensor_stream: the bytes written are onnx_ir's own serialization of each tensor,
+whatever its layout (contiguous, a transposed view, torch bf16, an input file's tensor, packed
+4-bit), also when a tensor spans many chunks; an error on the writer thread reaches the caller."""
+
+from __future__ import annotations
+
+import io
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+from torch.onnx._internal.exporter._core import TorchTensor
+
+from rope_export import tensor_stream
+from rope_export.tensor_stream import SequentialWriter
+
+
+def _tensors() -> list[ir.TensorProtocol]:
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((37, 53)).astype(np.float32)
+    torch_weight = torch.from_numpy(rng.standard_normal((29, 31)).astype(np.float32)).to(torch.bfloat16)
+    return [
+        ir.Tensor(weight),  # contiguous
+        ir.Tensor(weight.T),  # what onnxscript's optimizer leaves after folding a Transpose: a strided view
+        ir.Tensor(rng.standard_normal((3, 5, 7)).astype(np.float16).transpose(2, 0, 1)),
+        ir.Tensor(weight[:, ::3]),  # strided inner axis
+        ir.Tensor(weight.T.astype(ml_dtypes.bfloat16), dtype=ir.DataType.BFLOAT16),
+        TorchTensor(torch_weight),  # bf16 straight from torch memory
+        TorchTensor(torch_weight.T),  # a transposed torch view
+        TorchTensor(torch.arange(24, dtype=torch.float16).reshape(4, 6)),
+        ir.Tensor(np.array([1, -2, 3, -4, 5], np.int8), dtype=ir.DataType.INT4),  # packed two per byte
+        ir.Tensor(np.array(3.5, np.float32)),  # 0-d
+    ]
+
+
+def _written(tensors) -> bytes:
+    f = io.BytesIO()
+    with SequentialWriter(f) as writer:
+        for tensor in tensors:
+            writer.write(tensor)
+    return f.getvalue()
+
+
+def test_each_layout_is_written_as_onnx_ir_serializes_it():
+    tensors = _tensors()
+    assert _written(tensors) == b"".join(t.tobytes() for t in tensors)
+
+
+def test_tensors_spanning_many_chunks_keep_their_bytes_and_order(monkeypatch):
+    monkeypatch.setattr(tensor_stream, "CHUNK", 64)  # rows of 37x53 fp32 views are 148-212 bytes: deeper axes too
+    tensors = _tensors()
+    assert _written(tensors * 3) == b"".join(t.tobytes() for t in tensors * 3)
+
+
+def test_an_input_files_tensor_is_copied_file_to_file(tmp_path):
+    data = np.arange(1000, dtype=np.float32)
+    (tmp_path / "w.data").write_bytes(b"\0" * 16 + data.tobytes())
+    external = ir.ExternalTensor("w.data", 16, data.nbytes, ir.DataType.FLOAT, shape=ir.Shape([1000]), name="w",
+                                 base_dir=str(tmp_path))
+    with open(tmp_path / "out", "wb") as f, SequentialWriter(f) as writer:
+        writer.write(ir.Tensor(np.ones(3, np.float32)))
+        writer.write(external)
+        writer.write(ir.Tensor(np.zeros(2, np.float32)))
+    assert (tmp_path / "out").read_bytes() == np.ones(3, np.float32).tobytes() + data.tobytes() + \
+        np.zeros(2, np.float32).tobytes()
+
+
+class _FullDisk(io.RawIOBase):
+    def writable(self):
+        return True
+
+    def write(self, b):
+        raise OSError(28, "No space left on device")
+
+
+def test_an_error_on_the_writer_thread_reaches_the_caller():
+    with pytest.raises(OSError, match="No space left"):
+        with SequentialWriter(_FullDisk()) as writer:
+            for tensor in _tensors() * 4:
+                writer.write(tensor)
