@@ -19,7 +19,7 @@ The package follows polygraphy's split between what is compared and how:
 * ``core``: ``check()`` itself; ``cli``: the command.
 """
 
-import importlib
+from rope_export.lazy import lazy_getattr
 
 # Imported on first use (PEP 562): `rope-export check --help` needs only cli.py, not torch or onnxruntime.
 _EXPORTS = {
@@ -30,18 +30,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"rope_export.check.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    try:  # a submodule, as `rope_export.check.NAME` was before the imports became lazy
-        return importlib.import_module(f"rope_export.check.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"rope_export.check.{name}":  # the submodule exists; something it imports is missing
-            raise
-        raise AttributeError(f"module 'rope_export.check' has no attribute {name!r}") from None
-
+__getattr__ = lazy_getattr("rope_export.check", _EXPORTS)
 
 __all__ = [
     "RUNNERS",

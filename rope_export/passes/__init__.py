@@ -9,7 +9,7 @@ Each graph rule is a class with ``pattern``, ``check`` and ``rewrite`` in its ow
 (``rope-export lower`` / ``rope-export fuse``) is ``cli.py``.
 """
 
-import importlib
+from rope_export.lazy import lazy_getattr
 
 # Imported on first use (PEP 562): onnxscript's rewriter takes a second to import, and
 # `rope-export lower --help` only needs passes/targets.py.
@@ -20,18 +20,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"rope_export.passes.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    try:  # a submodule, as `rope_export.passes.NAME` was before the imports became lazy
-        return importlib.import_module(f"rope_export.passes.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"rope_export.passes.{name}":  # the submodule exists; something it imports is missing
-            raise
-        raise AttributeError(f"module 'rope_export.passes' has no attribute {name!r}") from None
-
+__getattr__ = lazy_getattr("rope_export.passes", _EXPORTS)
 
 __all__ = [
     "TARGETS",
