@@ -58,7 +58,7 @@ def test_fuse_on_the_plain_opset_23_export(name):
 @pytest.mark.parametrize("name,reason", [
     ("mismatched_angles", "cos² + sin² is not constant"),
     ("xpos", "xPos-style scaled rotation is not plain RoPE"),
-    ("per_head_angles", "vary per head"),
+    ("per_head_pairs", "vary per head"),
 ])
 def test_look_alikes_and_unfusable_rotations_are_left_alone_with_the_reason(name, reason):
     report = FusionReport()
