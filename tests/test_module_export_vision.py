@@ -20,7 +20,6 @@ import vision_blocks as vb
 
 import rope_export
 from rope_export.contract import DOMAIN, OP_TYPE
-from rope_export.detect import DecomposedRotationError
 from rope_export.passes import FusionReport, fuse, lower
 
 pytest.importorskip("transformers")
