@@ -103,6 +103,25 @@ def test_per_head_plain_export_through_fuse():
         assert_equal_to_eager(fused, block, case)
 
 
+def test_qwen2_vl_token_major_rotation():
+    """Qwen2-VL's vision rotation of [N, H, D] tensors (cos/sin [N, D] unsqueezed to [N, 1, D]): fused as
+    [1, N, H*D] with per-token caches through export_module and through fuse of the plain export; exact
+    with coordinates past the traced grid and on another grid."""
+    n = torch.export.Dim("n")
+    dynamic = ({0: n}, {0: n})
+    block, inputs = vb.qwen_vision(), vb.token_major_example()
+    cases = (inputs, vb.token_major_example(offset=9, seed=4), vb.token_major_example(grid=3, seed=5))
+    result = rope_export.export_module(block, inputs, dynamic_shapes=dynamic)
+    assert result.rotary_nodes == 2 and result.count.ok and result.count.expected == 2, result.as_text()
+    report = FusionReport()
+    fused = fuse(plain_export(block, inputs, dynamic), report=report)
+    assert n_rotary(fused) == 2 and (report.found, report.left) == (2, 0), report.as_text()
+    assert all(r.detail.startswith("thd") for r in report.rows())
+    for model in (result.model, fused):
+        for case in cases:
+            assert_equal_to_eager(model, block, case)
+
+
 def test_a_wrong_file_is_an_error_naming_the_output_and_its_size(tmp_path, monkeypatch):
     """The end-to-end check on onnxruntime is the backstop: with the real-call check disabled the
     half_switch hook makes a wrong file, and export_module raises before writing it."""
