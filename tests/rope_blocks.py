@@ -332,6 +332,25 @@ class PerHeadAngles(nn.Module):
         return rot(q), rot(k)
 
 
+class PerHeadInterleavedPartial(nn.Module):
+    """Per-head angles on [B, S, H, D] tensors, interleaved pairs over the first half of the head only:
+    each (token, head) row becomes an op token ([B*S, H, D]), partial rotation kept."""
+
+    layout = "bshd"
+
+    def forward(self, q, k, pos):
+        r = D // 2
+
+        def rot(x):
+            scale = 1.0 + 0.25 * torch.arange(x.shape[2]).float()[None, None, :, None]
+            a = (angles(pos, r)[:, :, None, :] * scale).repeat_interleave(2, dim=-1)  # [B, S, H, r]
+            xr, xp = x[..., :r], x[..., r:]
+            every_two = torch.stack((-xr[..., 1::2], xr[..., ::2]), dim=-1).flatten(-2)
+            return torch.cat((xr * a.cos() + every_two * a.sin(), xp), dim=-1)
+
+        return rot(q), rot(k)
+
+
 class PerHeadPairs(nn.Module):
     """Per-head angles rotated pair by pair (``PairsStack``'s spelling): cos/sin per pair and per head are
     not folded yet; counted, left decomposed, and said so."""
@@ -436,6 +455,7 @@ FORMS: dict[str, Form] = {
     "sequence_first": Form(SequenceFirst, 2, False),
     "per_head_angles": Form(PerHeadAngles, 2, False),
     "token_major": Form(TokenMajor, 2, False),
+    "per_head_interleaved_partial": Form(PerHeadInterleavedPartial, 2, True, partial=True),
 }
 
 # rotations the op cannot express: counted, left decomposed, and said so
