@@ -23,7 +23,8 @@ from rope_export.passes import lower
 
 CASES = ((0, rb.S), (7, 3))  # (position offset, sequence length): prefill, and positions further on
 THIRD_PARTY = ("torchtune", "meta", "lucidrains")  # in `make test`; the other spellings under `make test-slow`
-LAYOUTS = ("per_head_angles", "token_major", "per_head_interleaved_partial")  # fused by a reshape of X around the node (heads folded, [T, H, D])
+# fused by a reshape of X around the node (heads folded into the batch, [T, H, D] as [1, T, H*D])
+LAYOUTS = ("per_head_angles", "token_major", "per_head_interleaved_partial")
 
 
 def _params(names, fast):
