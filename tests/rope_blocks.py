@@ -352,8 +352,40 @@ class PerHeadInterleavedPartial(nn.Module):
 
 
 class PerHeadPairs(nn.Module):
-    """Per-head angles rotated pair by pair (``PairsStack``'s spelling): cos/sin per pair and per head are
-    not folded yet; counted, left decomposed, and said so."""
+    """Per-head angles against a pair axis, ``[B, H, S, D/2, 2]`` products: every pair becomes an op row
+    ([N, D/2, 2], a rotate-half of width 2)."""
+
+    layout = "bhsd"
+
+    def forward(self, q, k, pos):
+        def rot(x):
+            scale = 1.0 + 0.25 * torch.arange(x.shape[1]).float()[None, :, None, None]
+            a = (angles(pos)[:, None] * scale)[..., None]  # [B, H, S, D/2, 1]
+            pairs = x.reshape(*x.shape[:-1], -1, 2)
+            turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1)
+            return (pairs * a.cos() + turned * a.sin()).flatten(-2)
+
+        return rot(q), rot(k)
+
+
+class FlatRows(nn.Module):
+    """Every head of every token flattened to rows ``[B*H*S, D]`` and rotated there (2-D): the op has no
+    form without a head axis; counted, left decomposed, and said so."""
+
+    layout = "bhsd"
+
+    def forward(self, q, k, pos):
+        def rot(x):
+            a = torch.cat((angles(pos), angles(pos)), dim=-1)[:, None].expand(x.shape).reshape(-1, D)
+            rows = x.reshape(-1, D)
+            return (rows * a.cos() + rotate_half(rows) * a.sin()).reshape(x.shape)
+
+        return rot(q), rot(k)
+
+
+class PerHeadStack(nn.Module):
+    """Per-head angles rotated pair by pair and stacked (``PairsStack``'s spelling): heads folded into the
+    batch with per-pair caches."""
 
     layout = "bhsd"
 
@@ -456,11 +488,13 @@ FORMS: dict[str, Form] = {
     "per_head_angles": Form(PerHeadAngles, 2, False),
     "token_major": Form(TokenMajor, 2, False),
     "per_head_interleaved_partial": Form(PerHeadInterleavedPartial, 2, True, partial=True),
+    "per_head_stack": Form(PerHeadStack, 2, True),
+    "per_head_pairs": Form(PerHeadPairs, 2, False),
 }
 
 # rotations the op cannot express: counted, left decomposed, and said so
 UNFUSABLE: dict[str, Form] = {
-    "per_head_pairs": Form(PerHeadPairs, 2),
+    "flat_rows": Form(FlatRows, 2),
 }
 
 LOOK_ALIKES: dict[str, Form] = {
@@ -506,4 +540,4 @@ def torchtune_factory():
 
 
 def unfusable_factory():
-    return {"module": block("per_head_pairs"), "args": example(), "input_names": ["x", "pos"]}
+    return {"module": block("flat_rows"), "args": example(), "input_names": ["x", "pos"]}

@@ -435,7 +435,7 @@ def graph_per_token_value(op, tr: Trace, form: Form, pairs: bool) -> ir.Value:
     return op.Slice(tokens, _const(op, [0]), _const(op, [form.rd // 2]), _const(op, [-1]))
 
 
-def folded_per_token_value(op, tr: Trace, layout: str, form: Form) -> ir.Value:
+def folded_per_token_value(op, tr: Trace, layout: str, form: Form, pairs: bool) -> ir.Value:
     """[B', S', rd/2] for a layout fused by reshaping X (``_site.FOLDED``), from the value the site
     multiplies by: "thd" [T, H, D] -> [1, T, rd/2] (head 0); "rows" -> one row per [.., M, D] row of X,
     [N, M, rd/2] (cos broadcast to the product first, so per-head values stay per head)."""
@@ -451,7 +451,9 @@ def folded_per_token_value(op, tr: Trace, layout: str, form: Form) -> ir.Value:
     else:
         tokens = op.Reshape(op.Expand(tr.base, shape),
                             op.Concat(_const(op, [-1]), part(rank - 2, rank), axis=0))
-    if form.interleaved:
+    if pairs:  # already one value per pair
+        out = op.Slice(tokens, _const(op, [0]), _const(op, [form.rd // 2]), _const(op, [-1]))
+    elif form.interleaved:
         out = op.Slice(tokens, _const(op, [0]), _const(op, [form.rd]), _const(op, [-1]), _const(op, [2]))
     else:
         out = op.Slice(tokens, _const(op, [0]), _const(op, [form.rd // 2]), _const(op, [-1]))

@@ -260,7 +260,7 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
         form, cos_shape, product_shape, source_shape = classify(probe, cand, self.partial)
         if not self.partial and form.rd != form.width:
             raise SkipSite(f"only {form.rd} of {form.width} channels rotate without a partial split")
-        layout, heads = layout_of(cand.x, cos_shape, product_shape, cand.pairs)
+        layout, heads = layout_of(cand.x, cos_shape, product_shape)
         if layout in FOLDED and cand.flatten_source:
             raise SkipSite(f"a {layout} site whose rotated tensor exists only as [..., d/2, 2] pairs")
         cos, sin, note = self._traces(probe, cand, form, layout, len(product_shape))
@@ -313,7 +313,7 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
         else:
             def build(tr):
                 if tr.kind == "graph" and site.layout in FOLDED:
-                    return folded_per_token_value(op, tr, site.layout, site.form)
+                    return folded_per_token_value(op, tr, site.layout, site.form, site.candidate.pairs)
                 if tr.kind == "graph":
                     return graph_per_token_value(op, tr, site.form, site.candidate.pairs)
                 return per_token_value(op, tr, site.x, half)

@@ -290,14 +290,15 @@ def _read_permutation(moved: np.ndarray) -> Form:
 FOLDED = ("thd", "rows")
 
 
-def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int, ...],
-              pairs: bool = False) -> tuple[str, int | None]:
+def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int, ...]) -> tuple[str, int | None]:
     """("bhsd", "bshd", "sbhd", "thd" or "rows", heads): the heads axis is where cos is broadcast (size 1),
     the sequence where it varies. "sbhd" is fused as "bshd" with the two token axes swapped, "thd" and
     "rows" by a reshape of X (``FOLDED``); all three with per-token caches only."""
     full, cos = product_shape, cos_shape
-    if len(cos) > len(full) or len(full) < 3:
-        raise SkipSite(f"cos/sin ({len(cos)}-D) do not broadcast against a 3-D or 4-D rotated tensor")
+    if len(full) < 3:
+        raise SkipSite(f"a rotation of {len(full)}-D rows with no head axis (the op takes 3-D or 4-D tensors)")
+    if len(cos) > len(full):
+        raise SkipSite(f"cos/sin ({len(cos)}-D) do not broadcast against the {len(full)}-D rotated tensor")
     cos = (1,) * (len(full) - len(cos)) + tuple(cos)
     rank = x.shape.rank() if x.shape is not None else None
     if len(full) == 3:
@@ -307,7 +308,7 @@ def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int,
             layout = "rows"  # [T, H, D] with cos/sin per head
         else:
             raise SkipSite("cos/sin do not vary along the tokens of the 3-D rotated tensor")
-        return _folded(x, rank, layout, pairs, 3)
+        return _folded(x, rank, layout, 3)
     if cos[0] not in (1, full[0]):
         raise SkipSite("cos/sin vary along the batch axis in a way the op cannot express")
     if cos[1] == 1 and cos[2] == full[2] and full[2] > 1:
@@ -323,7 +324,7 @@ def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int,
         raise SkipSite("cos/sin do not vary along the sequence axis (axis 1 or 2 of the rotated tensor)")
     else:
         # per-head cos/sin: each [.., M, D] row of X becomes an op token of its own (exact, no transpose)
-        return _folded(x, rank, "rows", pairs, 4)
+        return _folded(x, rank, "rows", len(full))
     if rank != 4:
         raise SkipSite(f"the rotated tensor is {rank if rank is not None else 'of unknown rank'}"
                        "-D; only 4-D [B, H, S, D] / [B, S, H, D] is fused")
@@ -333,11 +334,9 @@ def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int,
     return layout, heads
 
 
-def _folded(x: ir.Value, rank: int | None, layout: str, pairs: bool, want: int) -> tuple[str, int | None]:
+def _folded(x: ir.Value, rank: int | None, layout: str, want: int) -> tuple[str, int | None]:
     what = "cos/sin vary per head" if layout == "rows" else "a token-major [T, H, D] tensor"
-    if pairs:
-        raise SkipSite(f"{what}, with cos/sin given per pair ([.., d/2] products): not folded into the batch yet")
-    if rank != want:
+    if rank != want:  # the product's rows must be X's rows ([.., d/2, 1] pair products are not)
         raise SkipSite(f"{what}: the rotated tensor is {rank if rank is not None else 'of unknown rank'}-D, "
                        f"its product with cos {want}-D")
     if layout == "rows":
@@ -348,12 +347,15 @@ def _folded(x: ir.Value, rank: int | None, layout: str, pairs: bool, want: int) 
     return layout, heads
 
 
-def folded_tokens(cos: np.ndarray, product_shape: tuple[int, ...], layout: str, form: Form) -> np.ndarray:
+def folded_tokens(cos: np.ndarray, product_shape: tuple[int, ...], layout: str, form: Form,
+                  pairs: bool) -> np.ndarray:
     """Per-op-token [B', S', rd/2] values of cos (or sin) for a ``FOLDED`` layout (NumPy twin of
     ``_cos_sin.folded_per_token_value``)."""
     full = np.broadcast_to(cos.reshape((1,) * (len(product_shape) - cos.ndim) + cos.shape),
                            (*product_shape[:-1], cos.shape[-1]))
     tokens = full[None, :, 0] if layout == "thd" else full.reshape(-1, product_shape[-2], cos.shape[-1])
+    if pairs:  # already one value per pair
+        return tokens[..., : form.rd // 2]
     return tokens[..., 0: form.rd: 2] if form.interleaved else tokens[..., : form.rd // 2]
 
 

@@ -100,7 +100,7 @@ def _caches(trace: Trace, values: dict, probe: Probe, site, batch: int, seq: int
         return trace.table.astype(np.float32), np.ascontiguousarray(pos)
     base = np.asarray(values[trace.base])
     if trace.kind == "graph" and site.layout in FOLDED:
-        tokens = folded_tokens(base, product_shape, site.layout, site.form)
+        tokens = folded_tokens(base, product_shape, site.layout, site.form, site.candidate.pairs)
     elif trace.kind == "graph":
         tokens = tokens_of(base, site.product_rank, site.layout, site.form, site.candidate.pairs)
     else:

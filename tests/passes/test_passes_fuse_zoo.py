@@ -72,7 +72,7 @@ def test_layouts_reshaped_around_the_node_on_the_other_lowerings(name, target):
 @pytest.mark.parametrize("name,reason", [
     ("mismatched_angles", "cos² + sin² is not constant"),
     ("xpos", "xPos-style scaled rotation is not plain RoPE"),
-    ("per_head_pairs", "vary per head"),
+    ("flat_rows", "no head axis"),
 ])
 def test_look_alikes_and_unfusable_rotations_are_left_alone_with_the_reason(name, reason):
     report = FusionReport()
