@@ -319,7 +319,7 @@ class SequenceFirst(nn.Module):
 
 class PerHeadAngles(nn.Module):
     """Each head rotates by its own multiple of the angles (per-head frequencies): cos/sin [B, H, S, D]
-    vary per head, which the op (one cos/sin per token) cannot take; counted, left decomposed."""
+    vary per head; fused with the heads folded into the batch (X [B*H, S, D], per-row caches)."""
 
     layout = "bhsd"
 
@@ -330,6 +330,87 @@ class PerHeadAngles(nn.Module):
             return x * a.cos() + rotate_half(x) * a.sin()
 
         return rot(q), rot(k)
+
+
+class PerHeadInterleavedPartial(nn.Module):
+    """Per-head angles on [B, S, H, D] tensors, interleaved pairs over the first half of the head only:
+    each (token, head) row becomes an op token ([B*S, H, D]), partial rotation kept."""
+
+    layout = "bshd"
+
+    def forward(self, q, k, pos):
+        r = D // 2
+
+        def rot(x):
+            scale = 1.0 + 0.25 * torch.arange(x.shape[2]).float()[None, None, :, None]
+            a = (angles(pos, r)[:, :, None, :] * scale).repeat_interleave(2, dim=-1)  # [B, S, H, r]
+            xr, xp = x[..., :r], x[..., r:]
+            every_two = torch.stack((-xr[..., 1::2], xr[..., ::2]), dim=-1).flatten(-2)
+            return torch.cat((xr * a.cos() + every_two * a.sin(), xp), dim=-1)
+
+        return rot(q), rot(k)
+
+
+class PerHeadPairs(nn.Module):
+    """Per-head angles against a pair axis, ``[B, H, S, D/2, 2]`` products: every pair becomes an op row
+    ([N, D/2, 2], a rotate-half of width 2)."""
+
+    layout = "bhsd"
+
+    def forward(self, q, k, pos):
+        def rot(x):
+            scale = 1.0 + 0.25 * torch.arange(x.shape[1]).float()[None, :, None, None]
+            a = (angles(pos)[:, None] * scale)[..., None]  # [B, H, S, D/2, 1]
+            pairs = x.reshape(*x.shape[:-1], -1, 2)
+            turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1)
+            return (pairs * a.cos() + turned * a.sin()).flatten(-2)
+
+        return rot(q), rot(k)
+
+
+class FlatRows(nn.Module):
+    """Every head of every token flattened to rows ``[B*H*S, D]`` and rotated there (2-D): the op has no
+    form without a head axis; counted, left decomposed, and said so."""
+
+    layout = "bhsd"
+
+    def forward(self, q, k, pos):
+        def rot(x):
+            a = torch.cat((angles(pos), angles(pos)), dim=-1)[:, None].expand(x.shape).reshape(-1, D)
+            rows = x.reshape(-1, D)
+            return (rows * a.cos() + rotate_half(rows) * a.sin()).reshape(x.shape)
+
+        return rot(q), rot(k)
+
+
+class PerHeadStack(nn.Module):
+    """Per-head angles rotated pair by pair and stacked (``PairsStack``'s spelling): heads folded into the
+    batch with per-pair caches."""
+
+    layout = "bhsd"
+
+    def forward(self, q, k, pos):
+        def rot(x):
+            scale = 1.0 + 0.25 * torch.arange(x.shape[1]).float()[None, :, None, None]
+            a = angles(pos)[:, None] * scale  # [B, H, S, D/2]
+            cos, sin = a.cos(), a.sin()
+            pairs = x.reshape(*x.shape[:-1], -1, 2)
+            x1, x2 = pairs[..., 0], pairs[..., 1]
+            return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+        return rot(q), rot(k)
+
+
+class TokenMajor(nn.Module):
+    """Packed / flattened tokens [T, H, D] (batch and sequence merged, as vision encoders that flatten
+    patches and packed sequences do) with cos/sin [T, 1, D]: fused as [1, T, H*D] with per-token caches."""
+
+    layout = "thd"
+
+    def forward(self, q, k, pos):
+        a = torch.cat((angles(pos), angles(pos)), dim=-1).reshape(-1, 1, D)  # [T, 1, D]
+        cos, sin = a.cos(), a.sin()
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 class MismatchedAngles(nn.Module):
@@ -366,8 +447,12 @@ class Block(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         elif self.layout == "sbhd":
             q, k = q.transpose(0, 1), k.transpose(0, 1)
+        elif self.layout == "thd":
+            q, k = q.reshape(b * s, H, D), k.reshape(b * s, KV, D)
         q, k = self.rope(q, k, pos)
-        if self.layout == "bshd":
+        if self.layout == "thd":
+            q, k = q.view(b, s, H, D), k.view(b, s, KV, D)
+        if self.layout in ("bshd", "thd"):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         elif self.layout == "sbhd":
             q, k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)
@@ -400,11 +485,16 @@ FORMS: dict[str, Form] = {
     "glm": Form(lambda: TransformersFunction("glm"), 2, True, partial=True),
     "nanochat_flipped": Form(lambda: TransformersFunction("nanochat"), 2, False),
     "sequence_first": Form(SequenceFirst, 2, False),
+    "per_head_angles": Form(PerHeadAngles, 2, False),
+    "token_major": Form(TokenMajor, 2, False),
+    "per_head_interleaved_partial": Form(PerHeadInterleavedPartial, 2, True, partial=True),
+    "per_head_stack": Form(PerHeadStack, 2, True),
+    "per_head_pairs": Form(PerHeadPairs, 2, False),
 }
 
 # rotations the op cannot express: counted, left decomposed, and said so
 UNFUSABLE: dict[str, Form] = {
-    "per_head_angles": Form(PerHeadAngles, 2),
+    "flat_rows": Form(FlatRows, 2),
 }
 
 LOOK_ALIKES: dict[str, Form] = {
@@ -450,4 +540,4 @@ def torchtune_factory():
 
 
 def unfusable_factory():
-    return {"module": block("per_head_angles"), "args": example(), "input_names": ["x", "pos"]}
+    return {"module": block("flat_rows"), "args": example(), "input_names": ["x", "pos"]}

@@ -23,6 +23,8 @@ from rope_export.passes import lower
 
 CASES = ((0, rb.S), (7, 3))  # (position offset, sequence length): prefill, and positions further on
 THIRD_PARTY = ("torchtune", "meta", "lucidrains")  # in `make test`; the other spellings under `make test-slow`
+# fused by a reshape of X around the node (heads folded into the batch, [T, H, D] as [1, T, H*D])
+LAYOUTS = ("per_head_angles", "token_major", "per_head_interleaved_partial", "per_head_stack", "per_head_pairs")
 
 
 def _params(names, fast):
@@ -56,7 +58,7 @@ def assert_matches_eager(model: onnx.ModelProto, name: str) -> None:
             np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-5, err_msg=f"{name}, offset {offset}")
 
 
-@pytest.mark.parametrize("name", _params(rb.FORMS, THIRD_PARTY))
+@pytest.mark.parametrize("name", _params(rb.FORMS, THIRD_PARTY + LAYOUTS))
 def test_every_form_exports_one_node_per_rotated_tensor(name):
     form = rb.FORMS[name]
     result = exported(name)
@@ -92,17 +94,17 @@ def test_look_alikes_are_left_alone_and_the_report_says_why(name):
 def test_a_rotation_the_op_cannot_take_stops_the_export(tmp_path):
     out = tmp_path / "block.onnx"
     with pytest.raises(DecomposedRotationError) as info:
-        rope_export.export_module(rb.block("per_head_angles"), rb.example(), output=out)
+        rope_export.export_module(rb.block("flat_rows"), rb.example(), output=out)
     message = str(info.value)
-    assert "2 of 2 rotation(s) stayed decomposed" in message and "cos/sin vary per head" in message
+    assert "2 of 2 rotation(s) stayed decomposed" in message and "rows with no head axis" in message
     assert "rope: 2 rotation(s), 0 fused" in message and not out.exists()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = rope_export.export_module(rb.block("per_head_angles"), rb.example(), output=out,
+        result = rope_export.export_module(rb.block("flat_rows"), rb.example(), output=out,
                                            allow_decomposed=True)
     assert out.is_file() and result.rotary_nodes == 0 and not result.count.ok
     assert any("stayed decomposed" in str(w.message) for w in caught)
-    assert_matches_eager(onnx.load(out), "per_head_angles")
+    assert_matches_eager(onnx.load(out), "flat_rows")
 
 
 def test_opset_18_and_static_shapes():

@@ -20,7 +20,6 @@ import vision_blocks as vb
 
 import rope_export
 from rope_export.contract import DOMAIN, OP_TYPE
-from rope_export.detect import DecomposedRotationError
 from rope_export.passes import FusionReport, fuse, lower
 
 pytest.importorskip("transformers")
@@ -78,19 +77,49 @@ def test_a_function_called_with_another_switch_than_its_default_is_not_hooked():
     assert_equal_to_eager(result.model, block, vb.example(batch=3, offset=9, seed=4))  # coords past the grid
 
 
-def test_per_head_tables_shaped_like_per_token_caches_are_refused(tmp_path):
+def test_per_head_tables_shaped_like_per_token_caches_are_folded_exactly(tmp_path):
     """Per-head tables [H, N, D] with batch = heads = 2 have a per-token cache's shape: the hook would
     have rotated batch row b with head b's table. Checked on the block's own call, the function is not
-    hooked; the graph's rotation varies per head, which the op cannot take: refused, nothing written."""
+    hooked; the graph's rotation varies per head and is fused with the heads folded into the batch
+    (per-row caches), exact at another batch and with coordinates past the grid."""
     out = tmp_path / "per_head.onnx"
     block, inputs = vb.planted("per_head"), vb.example()
     assert inputs[0].shape[0] == vb.HEADS  # the trap: batch = heads
-    with pytest.raises(DecomposedRotationError) as info:
-        rope_export.export_module(block, inputs, dynamic_shapes=coords_dynamic(), output=out)
-    message = str(info.value)
-    assert "cos/sin vary per head" in message and "2 of 2 rotation(s) stayed decomposed" in message
-    assert "not hooked: vision_blocks.apply_rope_qk" in message
-    assert not out.exists()
+    result = rope_export.export_module(block, inputs, dynamic_shapes=coords_dynamic(), output=out)
+    assert result.hooked == [] and result.rotary_nodes == 2 and result.count.ok, result.as_text()
+    assert any(n.startswith("not hooked: vision_blocks.apply_rope_qk") for n in result.notes)
+    assert out.is_file() and n_rotary(onnx.load(out)) == 2
+    for case in (inputs, vb.example(batch=3, offset=9, seed=4), vb.example(batch=1, grid=3, seed=5)):
+        assert_equal_to_eager(result.model, block, case)
+
+
+def test_per_head_plain_export_through_fuse():
+    block, inputs = vb.planted("per_head"), vb.example()
+    report = FusionReport()
+    fused = fuse(plain_export(block, inputs, coords_dynamic()), report=report)
+    assert n_rotary(fused) == 2 and (report.found, report.left) == (2, 0), report.as_text()
+    assert all("heads folded into the batch" in r.detail for r in report.rows())
+    for case in (inputs, vb.example(batch=3, offset=9, seed=4)):
+        assert_equal_to_eager(fused, block, case)
+
+
+def test_qwen2_vl_token_major_rotation():
+    """Qwen2-VL's vision rotation of [N, H, D] tensors (cos/sin [N, D] unsqueezed to [N, 1, D]): fused as
+    [1, N, H*D] with per-token caches through export_module and through fuse of the plain export; exact
+    with coordinates past the traced grid and on another grid."""
+    n = torch.export.Dim("n")
+    dynamic = ({0: n}, {0: n})
+    block, inputs = vb.qwen_vision(), vb.token_major_example()
+    cases = (inputs, vb.token_major_example(offset=9, seed=4), vb.token_major_example(grid=3, seed=5))
+    result = rope_export.export_module(block, inputs, dynamic_shapes=dynamic)
+    assert result.rotary_nodes == 2 and result.count.ok and result.count.expected == 2, result.as_text()
+    report = FusionReport()
+    fused = fuse(plain_export(block, inputs, dynamic), report=report)
+    assert n_rotary(fused) == 2 and (report.found, report.left) == (2, 0), report.as_text()
+    assert all(r.detail.startswith("thd") for r in report.rows())
+    for model in (result.model, fused):
+        for case in cases:
+            assert_equal_to_eager(model, block, case)
 
 
 def test_a_wrong_file_is_an_error_naming_the_output_and_its_size(tmp_path, monkeypatch):

@@ -130,6 +130,42 @@ class PixtralBlock(nn.Module):
         return self.layer(x, attention_mask=None, position_embeddings=(cos, sin))
 
 
+class QwenVisionBlock(nn.Module):
+    """Qwen2-VL's vision attention on one image, token-major: patches flattened to x [N, C], q/k [N, H, D],
+    2-D (row, column) frequencies [N, D/2] rotated by transformers' ``apply_rotary_pos_emb_vision`` (its
+    ``cu_seqlens`` split by ``.tolist()``, which torch.export cannot trace, is left out: one image)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=generator) * 0.2
+
+    def forward(self, x, coords):
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, HEADS, HEAD_DIM).unbind(1)  # [N, H, D] each
+        inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM // 2, 2).float() / (HEAD_DIM // 2)))  # [D/4]
+        freqs = torch.cat((coords[:, :1].float() * inv, coords[:, 1:].float() * inv), dim=-1)  # [N, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        q, k = apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, N, D]
+        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM), dim=-1)
+        return self.proj((weights @ v).transpose(0, 1).reshape(n, HIDDEN)), k
+
+
+def qwen_vision() -> nn.Module:
+    torch.manual_seed(0)
+    return QwenVisionBlock().eval()
+
+
+def token_major_example(grid: int = GRID, offset: int = 0, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [N, C], coords [N, 2]): one image's patches, flattened."""
+    return example(1, grid, offset, seed)[0][0], grid_coords(grid, offset)
+
+
 def dinov3(registers: int = 4) -> tuple[nn.Module, torch.Tensor]:
     """A one-layer DINOv3 ViT (16 patches + cls + registers) and a batch of 2 images."""
     from transformers import DINOv3ViTConfig, DINOv3ViTModel

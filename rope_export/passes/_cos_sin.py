@@ -433,3 +433,29 @@ def graph_per_token_value(op, tr: Trace, form: Form, pairs: bool) -> ir.Value:
     if form.interleaved:
         return op.Slice(tokens, _const(op, [0]), _const(op, [form.rd]), _const(op, [-1]), _const(op, [2]))
     return op.Slice(tokens, _const(op, [0]), _const(op, [form.rd // 2]), _const(op, [-1]))
+
+
+def folded_per_token_value(op, tr: Trace, layout: str, form: Form, pairs: bool) -> ir.Value:
+    """[B', S', rd/2] for a layout fused by reshaping X (``_site.FOLDED``), from the value the site
+    multiplies by: "thd" [T, H, D] -> [1, T, rd/2] (head 0); "rows" -> one row per [.., M, D] row of X,
+    [N, M, rd/2] (cos broadcast to the product first, so per-head values stay per head)."""
+    shape = op.Shape(tr.product)
+    rank = rank_of(tr.product)
+
+    def part(start, end):
+        return op.Slice(shape, _const(op, [start]), _const(op, [end]), _const(op, [0]))
+
+    if layout == "thd":
+        head0 = op.Expand(tr.base, op.Concat(part(0, 1), _const(op, [1]), part(2, 3), axis=0))
+        tokens = op.Reshape(head0, op.Concat(_const(op, [1]), part(0, 1), _const(op, [-1]), axis=0))
+    else:
+        tokens = op.Reshape(op.Expand(tr.base, shape),
+                            op.Concat(_const(op, [-1]), part(rank - 2, rank), axis=0))
+    if pairs:  # already one value per pair
+        out = op.Slice(tokens, _const(op, [0]), _const(op, [form.rd // 2]), _const(op, [-1]))
+    elif form.interleaved:
+        out = op.Slice(tokens, _const(op, [0]), _const(op, [form.rd]), _const(op, [-1]), _const(op, [2]))
+    else:
+        out = op.Slice(tokens, _const(op, [0]), _const(op, [form.rd // 2]), _const(op, [-1]))
+    out.dtype = tokens.dtype = tr.base.dtype  # shape inference does not always reach past the Reshape
+    return out

@@ -27,6 +27,7 @@ from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.passes._cos_sin import (
     Trace,
     TraceError,
+    folded_per_token_value,
     gather_inputs,
     graph_per_token_value,
     graph_trace,
@@ -35,7 +36,16 @@ from rope_export.passes._cos_sin import (
     trace,
 )
 from rope_export.passes._probe import EvaluationFailed, Probe
-from rope_export.passes._site import Candidate, Form, SkipSite, cast_chain, check_dtype, classify, layout_of
+from rope_export.passes._site import (
+    FOLDED,
+    Candidate,
+    Form,
+    SkipSite,
+    cast_chain,
+    check_dtype,
+    classify,
+    layout_of,
+)
 from rope_export.passes._values import dim, dtype_of
 from rope_export.passes._verify import verify
 
@@ -122,12 +132,14 @@ class Site:
     x: ir.Value  # the op's X (the whole head when partial)
     candidate: Candidate
     form: Form
-    layout: str  # "bhsd", "bshd" or "sbhd" (rewritten as bshd: the op's B and S are the tensor's S and B)
+    layout: str  # "bhsd", "bshd", "sbhd" (rewritten as bshd: the op's B and S are the tensor's S and B),
+    # or one of _site.FOLDED ("thd", "rows": X reshaped around the node)
     heads: int | None
     cos: Trace
     sin: Trace
     product_rank: int  # rank of cos's product with the channels (4, or 5 for [..., d/2, 1] pairs)
     source_shape: tuple[int, ...]  # the rotated tensor's shape in the probes
+    product_shape: tuple[int, ...] = ()  # cos's product with the channels in the probes
 
     @property
     def partial(self) -> bool:
@@ -249,11 +261,13 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
         if not self.partial and form.rd != form.width:
             raise SkipSite(f"only {form.rd} of {form.width} channels rotate without a partial split")
         layout, heads = layout_of(cand.x, cos_shape, product_shape)
+        if layout in FOLDED and cand.flatten_source:
+            raise SkipSite(f"a {layout} site whose rotated tensor exists only as [..., d/2, 2] pairs")
         cos, sin, note = self._traces(probe, cand, form, layout, len(product_shape))
         if form.sin_sign < 0 and sin.kind == "gather":
             sin = replace(sin, table=-sin.table)
         site = Site(key_of(bindings["core"]), root, cand.x, cand, form, layout, heads, cos, sin, len(product_shape),
-                    source_shape)
+                    source_shape, tuple(product_shape))
         try:
             verify(probe, site)
         except SkipSite as exc:
@@ -264,7 +278,7 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
     def _traces(probe: Probe, cand: Candidate, form: Form, layout: str, rank: int) -> tuple[Trace, Trace, str]:
         """(cos trace, sin trace, why the structural trace did not apply, or "")."""
         head_axis = 1 if layout == "bhsd" else 2
-        if layout == "sbhd":  # tokens on axes (0, 1): only the values as the site computes them fit
+        if layout == "sbhd" or layout in FOLDED:  # only the values as the site computes them fit the op's tokens
             return (graph_trace(probe, cand.cos, cand.cos_product, layout),
                     graph_trace(probe, cand.sin, cand.cos_product, layout), "")
         dup = None if cand.pairs else ("repeat" if form.interleaved else "cat")
@@ -298,6 +312,8 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
             found = (cos, sin, pos)
         else:
             def build(tr):
+                if tr.kind == "graph" and site.layout in FOLDED:
+                    return folded_per_token_value(op, tr, site.layout, site.form, site.candidate.pairs)
                 if tr.kind == "graph":
                     return graph_per_token_value(op, tr, site.form, site.candidate.pairs)
                 return per_token_value(op, tr, site.x, half)
@@ -331,6 +347,14 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
 
         if site.layout == "bhsd":
             out = rotary(x, 0)
+        elif site.layout in FOLDED:  # an exact reshape of X to the op's tokens, and back
+            if site.layout == "thd":  # [T, H, D] -> [1, T, H*D]
+                flat = op.Reshape(op.Unsqueeze(x, _ints(op, [0])), _ints(op, [0, 0, -1]))
+            else:  # [.., M, D] -> [N, M, D], each row its own token
+                tail = op.Slice(op.Shape(x), _ints(op, [-2]), _ints(op, [np.iinfo(np.int64).max]))
+                flat = op.Reshape(x, op.Concat(_ints(op, [-1]), tail, axis=0))
+            flat.dtype = x.dtype
+            out = op.Reshape(rotary(flat, site.heads), op.Shape(x))
         else:
             flat = op.Reshape(x, op.Constant(value=ir.tensor(np.array([0, 0, -1], dtype=np.int64))))
             y = rotary(flat, site.heads)
@@ -351,9 +375,15 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
 
     @staticmethod
     def _detail(site: Site, with_positions: bool) -> str:
+        per_token = {"thd": " -> per-token [1, T, rd/2], X [T, H, D] as [1, T, H*D]",
+                     "rows": " -> per-row [N, M, rd/2], X [.., M, D] as [N, M, D] (heads folded into the batch)"}
         source = site.cos.source + (" -> [max_pos, rd/2] table + position_ids" if with_positions
-                                    else " -> per-token [B, S, rd/2]")
+                                    else per_token.get(site.layout, " -> per-token [B, S, rd/2]"))
         return f"{site.layout}, cos/sin {source}; verified numerically"
+
+
+def _ints(op, values) -> ir.Value:
+    return op.Constant(value=ir.tensor(np.array(values, dtype=np.int64)))
 
 
 def _cache_dtype(op, cache: ir.Value, x_dtype) -> ir.Value:

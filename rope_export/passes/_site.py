@@ -284,13 +284,31 @@ def _read_permutation(moved: np.ndarray) -> Form:
     raise SkipSite(f"the rotated channels are paired neither as rotate-half nor as interleaved: {perm[:rd].tolist()}")
 
 
+# layouts the op does not take, fused by an exact reshape of X around the node (caches per op token):
+# "thd": token-major [T, H, D] as [1, T, H*D] (num_heads H); "rows": every [.., M, D] row of X as its
+# own op token, [N, M, D] with num_heads 1 (per-head cos/sin: heads folded into the batch)
+FOLDED = ("thd", "rows")
+
+
 def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int, ...]) -> tuple[str, int | None]:
-    """("bhsd", "bshd" or "sbhd", heads): the heads axis is where cos is broadcast (size 1), the sequence
-    where it varies. "sbhd" is fused as "bshd" with the two token axes swapped (per-token caches only)."""
+    """("bhsd", "bshd", "sbhd", "thd" or "rows", heads): the heads axis is where cos is broadcast (size 1),
+    the sequence where it varies. "sbhd" is fused as "bshd" with the two token axes swapped, "thd" and
+    "rows" by a reshape of X (``FOLDED``); all three with per-token caches only."""
     full, cos = product_shape, cos_shape
-    if len(cos) > len(full) or len(full) < 4:
-        raise SkipSite(f"cos/sin ({len(cos)}-D) do not broadcast against a 4-D rotated tensor")
+    if len(full) < 3:
+        raise SkipSite(f"a rotation of {len(full)}-D rows with no head axis (the op takes 3-D or 4-D tensors)")
+    if len(cos) > len(full):
+        raise SkipSite(f"cos/sin ({len(cos)}-D) do not broadcast against the {len(full)}-D rotated tensor")
     cos = (1,) * (len(full) - len(cos)) + tuple(cos)
+    rank = x.shape.rank() if x.shape is not None else None
+    if len(full) == 3:
+        if cos[0] == full[0] and cos[1] == 1 and full[0] > 1:
+            layout = "thd"  # [T, H, D], cos [T, 1, D]: one cos/sin per token, shared by the heads
+        elif cos[1] == full[1] and full[1] > 1:
+            layout = "rows"  # [T, H, D] with cos/sin per head
+        else:
+            raise SkipSite("cos/sin do not vary along the tokens of the 3-D rotated tensor")
+        return _folded(x, rank, layout, 3)
     if cos[0] not in (1, full[0]):
         raise SkipSite("cos/sin vary along the batch axis in a way the op cannot express")
     if cos[1] == 1 and cos[2] == full[2] and full[2] > 1:
@@ -305,14 +323,40 @@ def layout_of(x: ir.Value, cos_shape: tuple[int, ...], product_shape: tuple[int,
     elif cos[1] == 1 and cos[2] == 1:
         raise SkipSite("cos/sin do not vary along the sequence axis (axis 1 or 2 of the rotated tensor)")
     else:
-        raise SkipSite("cos/sin vary per head: the op takes one cos/sin per token")
-    if x.shape is None or x.shape.rank() != 4:
-        raise SkipSite(f"the rotated tensor is {x.shape.rank() if x.shape is not None else 'of unknown rank'}"
+        # per-head cos/sin: each [.., M, D] row of X becomes an op token of its own (exact, no transpose)
+        return _folded(x, rank, "rows", len(full))
+    if rank != 4:
+        raise SkipSite(f"the rotated tensor is {rank if rank is not None else 'of unknown rank'}"
                        "-D; only 4-D [B, H, S, D] / [B, S, H, D] is fused")
     heads = dim(x, 1) if layout == "bhsd" else dim(x, 2)
     if layout != "bhsd" and heads is None:
         raise SkipSite("[B, S, H, D] tensor with a non-static head count (the fused op needs num_heads)")
     return layout, heads
+
+
+def _folded(x: ir.Value, rank: int | None, layout: str, want: int) -> tuple[str, int | None]:
+    what = "cos/sin vary per head" if layout == "rows" else "a token-major [T, H, D] tensor"
+    if rank != want:  # the product's rows must be X's rows ([.., d/2, 1] pair products are not)
+        raise SkipSite(f"{what}: the rotated tensor is {rank if rank is not None else 'of unknown rank'}-D, "
+                       f"its product with cos {want}-D")
+    if layout == "rows":
+        return layout, 1
+    heads = dim(x, 1)
+    if heads is None:
+        raise SkipSite("token-major [T, H, D] tensor with a non-static head count (the fused op needs num_heads)")
+    return layout, heads
+
+
+def folded_tokens(cos: np.ndarray, product_shape: tuple[int, ...], layout: str, form: Form,
+                  pairs: bool) -> np.ndarray:
+    """Per-op-token [B', S', rd/2] values of cos (or sin) for a ``FOLDED`` layout (NumPy twin of
+    ``_cos_sin.folded_per_token_value``)."""
+    full = np.broadcast_to(cos.reshape((1,) * (len(product_shape) - cos.ndim) + cos.shape),
+                           (*product_shape[:-1], cos.shape[-1]))
+    tokens = full[None, :, 0] if layout == "thd" else full.reshape(-1, product_shape[-2], cos.shape[-1])
+    if pairs:  # already one value per pair
+        return tokens[..., : form.rd // 2]
+    return tokens[..., 0: form.rd: 2] if form.interleaved else tokens[..., : form.rd // 2]
 
 
 def tokens_of(cos: np.ndarray, rank: int, layout: str, form: Form, pairs: bool) -> np.ndarray:

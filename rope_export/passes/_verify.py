@@ -15,7 +15,7 @@ import numpy as np
 from rope_export.onnx_op import rotary_numpy
 from rope_export.passes._cos_sin import Trace, _numeric_step
 from rope_export.passes._probe import Probe, ProbeError
-from rope_export.passes._site import SkipSite, random_feeds, tokens_of
+from rope_export.passes._site import FOLDED, SkipSite, folded_tokens, random_feeds, tokens_of
 from rope_export.passes._values import dtype_name, dtype_of
 from rope_export.tolerances import tolerance
 
@@ -36,15 +36,19 @@ def verify(probe: Probe, site) -> None:
     try:
         feeds = random_feeds(probe, [site.y], feeds, rng, min(rows // 2, MAX_POSITION))
         wanted = [site.y, source if site.candidate.flatten_source else site.x]
-        wanted += [v for t in traces for v in _ingredients(t)]
+        wanted += [site.candidate.cos_product] + [v for t in traces for v in _ingredients(t)]
         values = dict(zip(wanted, probe.run(wanted, feeds), strict=True))
     except ProbeError as exc:
         raise SkipSite(f"the numerical check could not run: {exc}") from exc
     x = values[wanted[1]].astype(values[site.y].dtype)
     if site.candidate.flatten_source:
         x = x.reshape(*x.shape[:-2], -1)
-    batch, seq = (x.shape[0], x.shape[2]) if site.layout == "bhsd" else (x.shape[0], x.shape[1])
-    (cos, pos), (sin, _) = (_caches(t, values, probe, site, batch, seq) for t in traces)
+    product_shape = values[site.candidate.cos_product].shape
+    # the op's X: the tensor itself, or reshaped as the rewrite does for the FOLDED layouts
+    op_x = {"thd": lambda: x.reshape(1, x.shape[0], -1), "rows": lambda: x.reshape(-1, *x.shape[-2:])}.get(
+        site.layout, lambda: x if site.layout == "bhsd" else x.reshape(x.shape[0], x.shape[1], -1))()
+    batch, seq = (x.shape[0], x.shape[2]) if site.layout == "bhsd" else op_x.shape[:2]
+    (cos, pos), (sin, _) = (_caches(t, values, probe, site, batch, seq, product_shape) for t in traces)
     if site.cos.kind != "gather":
         sin = sin * site.form.sin_sign
     _check_magnitude(cos, sin, _cache_dtype(site))
@@ -53,7 +57,7 @@ def verify(probe: Probe, site) -> None:
     if site.layout == "bhsd":
         expected = rotary_numpy(x, cos, sin, pos, num_heads=0, **args)
     else:
-        expected = rotary_numpy(x.reshape(batch, seq, -1), cos, sin, pos, num_heads=site.heads, **args).reshape(x.shape)
+        expected = rotary_numpy(op_x, cos, sin, pos, num_heads=site.heads, **args).reshape(x.shape)
     got = values[site.y]
     name = _tolerance_name(got)
     # float32: two implementations of the contract; half types: the original may round each step
@@ -88,14 +92,16 @@ def _ingredients(trace: Trace) -> list:
     return [trace.base]
 
 
-def _caches(trace: Trace, values: dict, probe: Probe, site, batch: int, seq: int):
+def _caches(trace: Trace, values: dict, probe: Probe, site, batch: int, seq: int, product_shape: tuple):
     """(cache, positions or None) as float32 NumPy arrays for the contract."""
     if trace.kind == "gather":
         pos = np.asarray(values[trace.positions]).astype(np.int64)
         pos = np.broadcast_to(pos[None] if pos.ndim == 1 else pos, (batch, seq))
         return trace.table.astype(np.float32), np.ascontiguousarray(pos)
     base = np.asarray(values[trace.base])
-    if trace.kind == "graph":
+    if trace.kind == "graph" and site.layout in FOLDED:
+        tokens = folded_tokens(base, product_shape, site.layout, site.form, site.candidate.pairs)
+    elif trace.kind == "graph":
         tokens = tokens_of(base, site.product_rank, site.layout, site.form, site.candidate.pairs)
     else:
         tokens = base

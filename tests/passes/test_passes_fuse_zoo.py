@@ -55,10 +55,24 @@ def test_fuse_on_the_plain_opset_23_export(name):
     _matches_eager(fused, name)
 
 
+@pytest.mark.parametrize("target", ["ort", "decomposed"])
+@pytest.mark.parametrize("name", ["per_head_angles", "token_major"])
+def test_layouts_reshaped_around_the_node_on_the_other_lowerings(name, target):
+    """X reshaped to [N, M, D] / [1, T, H*D] around the node: the com.microsoft and decomposed lowerings
+    compute the block too (the onnx one is checked above)."""
+    fused = fuse(rb.plain_export(name, 18))
+    session = ort.InferenceSession(lower(fused, target).SerializeToString(), providers=["CPUExecutionProvider"])
+    x, pos = rb.example(seq=3, offset=7, seed=9)
+    with torch.no_grad():
+        want = rb.block(name)(x, pos)
+    for g, w in zip(session.run(None, {"x": x.numpy(), "pos": pos.numpy()}), want, strict=True):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-5, err_msg=f"{name} {target}")
+
+
 @pytest.mark.parametrize("name,reason", [
     ("mismatched_angles", "cos² + sin² is not constant"),
     ("xpos", "xPos-style scaled rotation is not plain RoPE"),
-    ("per_head_angles", "vary per head"),
+    ("flat_rows", "no head axis"),
 ])
 def test_look_alikes_and_unfusable_rotations_are_left_alone_with_the_reason(name, reason):
     report = FusionReport()
