@@ -81,8 +81,14 @@ class FusionReport:
         text = (f"{self.found} rotation(s) found (cos/sin feeding multiply-add pairs), {self.num_fused} fused"
                 + (f", {self.left} left decomposed" if self.left else ""))
         if not self.complete:
-            text += "; the table says why each site was left alone"
+            text += "; " + self.why_left()
         return text
+
+    def why_left(self) -> str:
+        """Where the reasons for rotations left decomposed are: the table's rows, or no rule's."""
+        if any(r.status != "fused" for r in self.records.values()):
+            return "the table says why each site was left alone"
+        return "no fusion rule matched them (their spelling is not one fuse knows; docs/passes.md lists those)"
 
     def fused(self, site: str, form: str, detail: str) -> None:
         note = self.larger_form_misses.pop(site, None)

@@ -128,7 +128,7 @@ def _run_fuse(args) -> int:
     if not report.complete:
         left = report.left if report.left else report.found - report.num_fused
         print(f"rope-export fuse: warning: {left} rotation(s) stayed decomposed in {args.output} (written all the "
-              "same); the table above says why each was left alone", file=sys.stderr)
+              f"same); {report.why_left()}", file=sys.stderr)
         if report.num_fused == 0:
             return 1  # nothing of what was found was fused: not a silent success
     return 0

@@ -79,3 +79,17 @@ def test_fuse_that_fuses_nothing_of_what_it_found_warns_and_fails(main, tmp_path
     assert "left alone" in captured.out and "1 rotation(s) found (cos/sin feeding multiply-add pairs), 0 fused, " \
         "1 left decomposed" in captured.out
     assert "warning: 1 rotation(s) stayed decomposed" in captured.err and (tmp_path / "odd_out.onnx").is_file()
+    assert "the table says why each site was left alone" in captured.err
+
+
+def test_fuse_says_when_no_rule_matched_what_it_found(main, tmp_path, capsys):
+    """rope-export's own decomposed lowering passes out-of-range positions through (a Where around the
+    rotation), a spelling no fusion rule reads back: the evidence counts its 2 rotations, no site row
+    explains them, so the message must not point at a table that has no row for them."""
+    assert main(["export", "--preset", "tiny", "-o", str(tmp_path / "tiny.onnx")]) == 0
+    assert main(["lower", str(tmp_path / "tiny.onnx"), "-t", "decomposed", "-o", str(tmp_path / "dec.onnx")]) == 0
+    capsys.readouterr()
+    assert main(["fuse", str(tmp_path / "dec.onnx"), "-o", str(tmp_path / "out.onnx")]) == 1
+    captured = capsys.readouterr()
+    assert "2 rotation(s) found (cos/sin feeding multiply-add pairs), 0 fused, 2 left decomposed" in captured.out
+    assert "no fusion rule matched them" in captured.err and "table" not in captured.err
