@@ -130,17 +130,10 @@ class PixtralBlock(nn.Module):
         return self.layer(x, attention_mask=None, position_embeddings=(cos, sin))
 
 
-class QwenVisionBlock(nn.Module):
+class QwenVisionBlock(_Attention):
     """Qwen2-VL's vision attention on one image, token-major: patches flattened to x [N, C], q/k [N, H, D],
     2-D (row, column) frequencies [N, D/2] rotated by transformers' ``apply_rotary_pos_emb_vision`` (its
     ``cu_seqlens`` split by ``.tolist()``, which torch.export cannot trace, is left out: one image)."""
-
-    def __init__(self, seed: int = 0):
-        super().__init__()
-        generator = torch.Generator().manual_seed(seed)
-        self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-        for p in self.parameters():
-            p.data = torch.randn(p.shape, generator=generator) * 0.2
 
     def forward(self, x, coords):
         from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
