@@ -27,7 +27,7 @@ from rope_export import (
     onnx_files,
     onnx_op,  # noqa: F401  (registers the rope_export schema for onnxscript)
 )
-from rope_export.cli_options import EXTERNAL_DATA, add_output_arguments  # noqa: F401 - add_output_arguments: other commands' import
+from rope_export.cli_options import EXTERNAL_DATA
 from rope_export.export_command import DTYPE_NAMES, MIN_OPSET
 from rope_export.fileio import check_writable
 from rope_export.onnx_files import output_files  # noqa: F401 - re-exported for hf/cli, module_export, bench

@@ -25,6 +25,7 @@ transformers is imported lazily: the package imports without it.
 """
 
 from rope_export.detect.forms import FORMS, rotate_half_qk
+from rope_export.export_command import wants_hf_export
 from rope_export.hf.cache_io import (
     AttentionWithCache,
     CacheLayout,
@@ -41,7 +42,7 @@ from rope_export.hf.cache_io import (
     rotary_module,
     with_cache,
 )
-from rope_export.hf.cli import run_hf_export, wants_hf_export
+from rope_export.hf.cli import run_hf_export
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.exporting import FALLBACKS, HFExportResult, export_hf
 from rope_export.hf.families import HF_FAMILIES, MODEL_TYPES, HFFamily, family_of, rope_config_from_hf, text_config

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from rope_export import contract
 from rope_export.checkpoints import weights_fact
-from rope_export.export_command import wants_hf_export  # noqa: F401 - rope_export.hf re-exports it
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.exporting import export_hf
 from rope_export.hf.families import HF_FAMILIES
