@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from rope_export import checkpoints  # noqa: E402
-from rope_export.checkpoints import CheckpointError, build_causal_lm  # noqa: E402
+from rope_export.exporting import checkpoints  # noqa: E402
+from rope_export.exporting.checkpoints import CheckpointError, build_causal_lm  # noqa: E402
 
 AUTO = transformers.AutoModelForCausalLM
 COMMON = dict(vocab_size=96, max_position_embeddings=64)

@@ -145,7 +145,7 @@ def test_a_failure_inside_torch_onnx_is_one_line_naming_the_stage_and_the_fix(ca
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "\x1b" not in err and len(err) < 220, err
     assert err.startswith("rope-export export: error: torch.onnx failed translating to ONNX: aten.index.Tensor")
-    assert "freqs_cis[pos]" in err and "rope_export.meta.meta_rope_hooked(model)" in err
+    assert "freqs_cis[pos]" in err and "rope_export.exporting.meta.meta_rope_hooked(model)" in err
     assert "internal error" not in err and not out.exists()
 
 
@@ -175,6 +175,6 @@ def test_a_tracing_failure_names_torch_export_and_the_usual_fix(capsys, tmp_path
 
 
 def test_other_errors_keep_the_internal_error_line():
-    from rope_export.torch_onnx import describe_failure
+    from rope_export.exporting.torch_onnx import describe_failure
 
     assert describe_failure(RuntimeError("\x1b[96mnot from torch\x1b[0m")) is None

@@ -128,7 +128,7 @@ def test_library_future_warnings_show_only_with_verbose(monkeypatch):
 
 @pytest.mark.parametrize("command", ["build", "build-plugin"])
 def test_build_help_is_written_for_users_not_as_a_docstring(command, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.plugin_build", "rope_export.trt"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.kernels.build", "rope_export.runtimes.trt"])
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     out = capsys.readouterr().out

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from rope_export import contract
-from rope_export.contract import RotaryAttrs, RotaryContractError, check_dtypes, resolve_shape
-from rope_export.onnx_op import rotary_numpy
-from rope_export.reference import rotary_embedding
+from rope_export.op import contract
+from rope_export.op.contract import RotaryAttrs, RotaryContractError, check_dtypes, resolve_shape
+from rope_export.op.onnx_op import rotary_numpy
+from rope_export.op.reference import rotary_embedding
 
 
 def test_constants_name_the_canonical_node():

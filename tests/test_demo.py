@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from rope_export import cli
-from rope_export.export import count_rotary_nodes
+from rope_export.exporting.core import count_rotary_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_deployment_script_takes_a_transformers_model_folder(tmp_path):
     every artefact checked against transformers, then the Triton repository."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from rope_export.demo import TINY_LLAMA
+    from rope_export.cli.demo import TINY_LLAMA
 
     folder = tmp_path / "tiny-llama.v1"
     torch.manual_seed(0)

@@ -12,20 +12,12 @@ from exported import CACHE_LEN, exported_model, feeds, test_block
 from onnx.reference import ReferenceEvaluator
 
 from rope_export import cli
-from rope_export.contract import DOMAIN, OP_TYPE
-from rope_export.export import (
-    DTYPES,
-    ExportError,
-    count_rotary_nodes,
-    decomposed_export,
-    example_inputs,
-    export,
-    read_metadata,
-    summarize,
-)
-from rope_export.onnx_op import RotaryEmbedding
+from rope_export.exporting.core import DTYPES, ExportError, count_rotary_nodes, summarize
+from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.onnx_op import RotaryEmbedding
+from rope_export.op.tolerances import tolerance
 from rope_export.presets import load_preset, preset_names
-from rope_export.tolerances import tolerance
+from rope_export.presets.export import decomposed_export, example_inputs, export, read_metadata
 
 ONNX_TYPES = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}
 
@@ -127,8 +119,8 @@ def test_custom_op_export_is_smaller_than_a_decomposed_one():
 
 
 def test_a_model_past_the_threshold_streams_its_weights_to_an_external_file(tmp_path, monkeypatch):
-    from rope_export import onnx_files
-    from rope_export.steps import StepLog
+    from rope_export.common.steps import StepLog
+    from rope_export.files import onnx_files
 
     in_memory = exported_model("tiny")  # the same export, kept in memory
     monkeypatch.setattr(onnx_files, "EXTERNAL_DATA_THRESHOLD", 1000)  # pretend the weights are past 2 GB
@@ -152,8 +144,9 @@ def test_a_model_past_the_threshold_streams_its_weights_to_an_external_file(tmp_
 
 
 def test_the_graph_is_edited_without_its_weights():
-    from rope_export import onnx_files
-    from rope_export.export import export_program, finish_export, graph_proto
+    from rope_export.exporting.core import finish_export, graph_proto
+    from rope_export.files import onnx_files
+    from rope_export.presets.export import export_program
 
     preset = load_preset("llama-3.1-8b").scaled_down()
     block = preset.build_block(torch.float16, cache_len=CACHE_LEN)

@@ -11,9 +11,10 @@ import warnings
 import pytest
 import torch
 
-from rope_export import cuda, reference
-from rope_export.plugin import CUDA_ARCHS, CUDA_LIBRARY, PluginNotBuiltError, plugin_dir
-from rope_export.trt import _cuda_device_problem
+from rope_export.kernels import cuda
+from rope_export.kernels.plugin import CUDA_ARCHS, CUDA_LIBRARY, PluginNotBuiltError, plugin_dir
+from rope_export.op import reference
+from rope_export.runtimes.trt import _cuda_device_problem
 
 BUILT = (plugin_dir() / CUDA_LIBRARY).is_file()
 needs_library = pytest.mark.skipif(not BUILT, reason=f"{CUDA_LIBRARY} is not built here (nvcc not found)")
@@ -47,12 +48,13 @@ def test_unavailable_reason_is_one_line():
 @needs_library
 def test_cpu_tensors_are_refused_with_the_fix():
     x = torch.randn(1, 2, 3, 8)
-    with pytest.raises(ValueError, match="the CUDA kernels take CUDA tensors .* CPU twin: rope_export.plugin.run"):
+    refusal = "the CUDA kernels take CUDA tensors .* CPU twin: rope_export.kernels.plugin.run"
+    with pytest.raises(ValueError, match=refusal):
         cuda.rotary_embedding(x, torch.ones(3, 4), torch.ones(3, 4))
 
 
 def test_the_custom_op_has_a_cuda_kernel_and_the_cpu_keeps_the_reference():
-    import rope_export.ops  # noqa: F401 - defines the op and registers the CUDA kernel
+    import rope_export.op.ops  # noqa: F401 - defines the op and registers the CUDA kernel
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key("rope_export::rotary_embedding", "CUDA")
     x, cos = torch.randn(1, 2, 3, 8), torch.randn(5, 4)

@@ -1,8 +1,8 @@
-"""The TensorRT plugin's CUDA kernels on a GPU, through librope_export_cuda.so (rope_export.cuda).
+"""The TensorRT plugin's CUDA kernels on a GPU, through librope_export_cuda.so (rope_export.kernels.cuda).
 
 Marker ``gpu``: they need a CUDA device, a CUDA build of PyTorch and the CUDA library, and skip
 with one reason without them (CI has no GPU; scripts/gpu_check.sh runs them on a GPU machine).
-The reference is rope_export.reference on the CPU copies of the same tensors; the CPU twin (the
+The reference is rope_export.op.reference on the CPU copies of the same tensors; the CPU twin (the
 same per-thread code on the host) is a second one. Each case also checks which path the launch
 took (vector or scalar), so a test of the scalar path cannot silently test the vector one.
 """
@@ -14,9 +14,11 @@ import subprocess
 import pytest
 import torch
 
-from rope_export import cuda, kernels, plugin, reference
-from rope_export.plugin import plugin_dir
-from rope_export.tolerances import tolerance
+from rope_export.kernels import backend as kernels
+from rope_export.kernels import cuda, plugin
+from rope_export.kernels.plugin import plugin_dir
+from rope_export.op import reference
+from rope_export.op.tolerances import tolerance
 
 REASON = cuda.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU run: {REASON}")]
@@ -108,7 +110,7 @@ def test_the_binding_picks_the_backend_by_device():
     torch.cuda.synchronize()
     assert on_gpu.device.type == "cuda" and on_cpu.device.type == "cpu" and gpu_plan == cpu_plan
     assert tolerance("op", "float16").allclose(on_gpu.cpu().float(), on_cpu.float())
-    with pytest.raises(ValueError, match="rope_export.cuda.rotary_embedding"):
+    with pytest.raises(ValueError, match="rope_export.kernels.cuda.rotary_embedding"):
         plugin.run(*dev, **attrs)
 
 

@@ -15,9 +15,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rope_export import cli
-from rope_export import export as export_module
-from rope_export.contract import DOMAIN, RotaryAttrs
-from rope_export.onnx_op import make_rotary_node
+from rope_export.op.contract import DOMAIN, RotaryAttrs
+from rope_export.op.onnx_op import make_rotary_node
+from rope_export.presets import export as export_module
 
 
 @pytest.fixture()
@@ -167,8 +167,8 @@ def test_check_of_a_file_whose_metadata_asks_for_a_huge_block_is_one_line(files,
     """check rebuilds the block from the file's metadata: sizes there are bounded like a preset's."""
     import json
 
-    from rope_export.export import preset_metadata
     from rope_export.presets import load_preset
+    from rope_export.presets.export import preset_metadata
 
     model = onnx.load(files / "valid.onnx")
     metadata = preset_metadata(load_preset("tiny"), "fp32", 0, None, False)

@@ -21,12 +21,13 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from rope_export import plugin, reference
-from rope_export.contract import DOMAIN, RotaryAttrs
-from rope_export.onnx_op import RotaryEmbedding as RopeOpRun
-from rope_export.onnx_op import make_rotary_node
+from rope_export.kernels import plugin
+from rope_export.kernels.build import ensure_built
+from rope_export.op import reference
+from rope_export.op.contract import DOMAIN, RotaryAttrs
+from rope_export.op.onnx_op import RotaryEmbedding as RopeOpRun
+from rope_export.op.onnx_op import make_rotary_node
 from rope_export.passes import lower
-from rope_export.plugin_build import ensure_built
 
 NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 ONNX = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -179,15 +180,15 @@ def test_lowered_files_run_an_empty_batch_or_sequence(target, layout, batch, seq
 ])
 def test_seq_len_dependent_blocks_run_an_empty_batch(rope):
     """max(position_ids) of an empty batch raised "Expected reduction dim" (a traceback)."""
-    from rope_export.modules import AttentionConfig, RoPEAttention
-    from rope_export.rope_types import RopeConfig
+    from rope_export.op.rope_types import RopeConfig
+    from rope_export.presets.modules import AttentionConfig, RoPEAttention
 
     block = RoPEAttention(AttentionConfig(64, 4, 2, 16), RopeConfig(head_dim=16, **rope)).eval()
     with torch.no_grad():
         out, key, _ = block(torch.randn(0, 3, 64), torch.zeros(0, 3, dtype=torch.long))
         assert out.shape == (0, 3, 64) and key.shape == (0, 2, 3, 16)
         # the guard (a 0 among the positions) leaves the frequencies of a non-empty batch as they were
-        from rope_export.rope_types import inv_freq_and_scaling
+        from rope_export.op.rope_types import inv_freq_and_scaling
 
         positions = torch.tensor([[0, 5, 20], [1, 2, 3]])  # past the switch length of both schemes
         cos, sin, pos = block.rotary.cos_sin(positions)

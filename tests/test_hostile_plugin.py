@@ -15,10 +15,11 @@ import subprocess
 import pytest
 import torch
 
-from rope_export import plugin, reference
-from rope_export.contract import RotaryAttrs, RotaryContractError
-from rope_export.plugin import PluginField, PluginFieldError
-from rope_export.plugin_build import ensure_built
+from rope_export.kernels import plugin
+from rope_export.kernels.build import ensure_built
+from rope_export.kernels.plugin import PluginField, PluginFieldError
+from rope_export.op import reference
+from rope_export.op.contract import RotaryAttrs, RotaryContractError
 
 TENSORS = ("x", "cos", "sin", "position_ids", "out")
 

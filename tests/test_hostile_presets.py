@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
-from rope_export import bounds
 from rope_export.cli import main
+from rope_export.common import bounds
+from rope_export.op.rope_types import RopeConfig, RopeConfigError, build_caches
 from rope_export.presets import PresetError, load_preset
-from rope_export.rope_types import RopeConfig, RopeConfigError, build_caches
 
 ATTENTION = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
 # Valid [rope] tables per scheme; each hostile value below replaces one field of one of them.

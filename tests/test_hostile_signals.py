@@ -18,15 +18,15 @@ from pathlib import Path
 import onnx
 import pytest
 
-from rope_export import export as export_module
-from rope_export import onnx_files
+from rope_export.files import onnx_files
+from rope_export.presets import export as export_module
 
 CACHE_LEN = 262144  # 16 MB of float32 cos/sin: the write takes long enough to be caught in the act
 SMALL_THRESHOLD = 1 << 20  # external data from 1 MB on (instead of 2 GB), set in the child process
 
 CHILD = """
 import sys
-import rope_export.onnx_files as onnx_files
+import rope_export.files.onnx_files as onnx_files
 if sys.argv[1] == "external":
     onnx_files.EXTERNAL_DATA_THRESHOLD = {threshold}
 from rope_export.cli import main

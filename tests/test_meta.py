@@ -1,4 +1,4 @@
-"""rope_export.meta: Meta-style complex RoPE, and the other reference forms, through the rotary op.
+"""rope_export.exporting.meta: Meta-style complex RoPE, and the other reference forms, through the rotary op.
 
 The user-side code below is written the way its sources write it (Meta's LLaMA reference
 ``model.py``, transformers' Llama ``rotate_half``, GPT-J-style stack/flatten, a torchtune-style
@@ -21,12 +21,13 @@ from hypothesis import strategies as st
 from onnx.reference import ReferenceEvaluator
 from torch import nn
 
-from rope_export import hf, meta
-from rope_export.contract import DOMAIN, OP_TYPE
-from rope_export.export import count_rotary_nodes, custom_translation_table
-from rope_export.onnx_op import RotaryEmbedding
-from rope_export.rope_types import RopeConfig, build_caches
-from rope_export.tolerances import tolerance
+from rope_export import hf
+from rope_export.exporting import meta
+from rope_export.exporting.core import count_rotary_nodes, custom_translation_table
+from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.onnx_op import RotaryEmbedding
+from rope_export.op.rope_types import RopeConfig, build_caches
+from rope_export.op.tolerances import tolerance
 
 THIS_MODULE = sys.modules[__name__]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

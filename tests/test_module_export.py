@@ -17,8 +17,8 @@ import rope_blocks as rb
 import torch
 
 import rope_export
-from rope_export.contract import DOMAIN, OP_TYPE
 from rope_export.detect import DecomposedRotationError
+from rope_export.op.contract import DOMAIN, OP_TYPE
 from rope_export.passes import lower
 
 CASES = ((0, rb.S), (7, 3))  # (position offset, sequence length): prefill, and positions further on
@@ -115,7 +115,7 @@ def test_opset_18_and_static_shapes():
 
 
 def test_wrong_inputs_are_named():
-    from rope_export.export import ExportError
+    from rope_export.exporting.core import ExportError
 
     with pytest.raises(ExportError, match="opset 12"):
         rope_export.export_module(rb.block("torchtune"), rb.example(), opset=12)
@@ -163,7 +163,7 @@ def test_the_file_records_the_eager_outputs_of_the_example():
 
 
 def test_an_example_past_the_limit_is_not_recorded_and_said_so(monkeypatch):
-    from rope_export import module_export
+    from rope_export.blocks import export as module_export
 
     monkeypatch.setattr(module_export, "EXAMPLE_LIMIT", 1000)
     result = rope_export.export_module(rb.block("rotate_half_table"), rb.example())

@@ -19,7 +19,7 @@ import torch
 import vision_blocks as vb
 
 import rope_export
-from rope_export.contract import DOMAIN, OP_TYPE
+from rope_export.op.contract import DOMAIN, OP_TYPE
 from rope_export.passes import FusionReport, fuse, lower
 
 pytest.importorskip("transformers")
@@ -125,8 +125,8 @@ def test_qwen2_vl_token_major_rotation():
 def test_a_wrong_file_is_an_error_naming_the_output_and_its_size(tmp_path, monkeypatch):
     """The end-to-end check on onnxruntime is the backstop: with the real-call check disabled the
     half_switch hook makes a wrong file, and export_module raises before writing it."""
+    from rope_export.blocks.check import FileMismatchError
     from rope_export.detect import functions
-    from rope_export.module_check import FileMismatchError
 
     def keep_all(module, args, kwargs, found):
         return [functions.RealCallCheck(f, calls=1) for f in found]
@@ -181,8 +181,8 @@ def test_pixtral_axial_rope_with_unsqueeze_dim_0():
 def test_a_file_onnxruntime_refuses_is_not_written(tmp_path, monkeypatch):
     """DINOv3's function hooked as it was before the real-call check (21 tokens rotated with caches for 16
     patches): the file's RotaryEmbedding-23 is refused by onnxruntime, an error naming it; nothing written."""
+    from rope_export.blocks.check import FileMismatchError
     from rope_export.detect import functions
-    from rope_export.module_check import FileMismatchError
 
     monkeypatch.setattr(functions, "checked_on_real_calls",
                         lambda module, args, kwargs, found: [functions.RealCallCheck(f, calls=1) for f in found])

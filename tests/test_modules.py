@@ -29,16 +29,16 @@ from transformers import (
 )
 
 from rope_export import hf
-from rope_export.modules import (
+from rope_export.op.rope_types import RopeConfig
+from rope_export.op.tolerances import tolerance
+from rope_export.presets import Preset, load_preset
+from rope_export.presets.modules import (
     AttentionConfig,
     AttentionConfigError,
     RoPEAttention,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
-from rope_export.presets import Preset, load_preset
-from rope_export.rope_types import RopeConfig
-from rope_export.tolerances import tolerance
 
 BLOCK_TOL = tolerance("block", "float32")
 CACHE_LEN = 8192  # rows of our static caches: enough for every position used here

@@ -22,8 +22,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rope_export import fileio, onnx_files
-from rope_export.onnx_files import OnnxFileError
+from rope_export.files import fileio, onnx_files
+from rope_export.files.onnx_files import OnnxFileError
 
 RNG = np.random.default_rng(0)
 
@@ -198,7 +198,7 @@ CHILD = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started from a background job
     sys.path.insert(0, {tests!r})
     from test_onnx_files import mlp_model
-    from rope_export import onnx_files
+    from rope_export.files import onnx_files
     if {sigterm_handler}:  # what the CLI installs: SIGTERM becomes an exception, so cleanup runs
         def to_exit(signum, frame):
             raise SystemExit(143)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rope_export import ops, reference
+from rope_export.op import ops, reference
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

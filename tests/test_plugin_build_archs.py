@@ -8,8 +8,9 @@ import stat
 
 import pytest
 
-from rope_export import cli, plugin_build
-from rope_export.plugin import CUDA_ARCHS
+from rope_export import cli
+from rope_export.kernels import build as plugin_build
+from rope_export.kernels.plugin import CUDA_ARCHS
 
 
 def _fake_smi(tmp_path, monkeypatch, output: str | None) -> None:
@@ -50,7 +51,7 @@ def test_build_plugin_auto_without_a_gpu_configures_no_cuda_and_says_so(tmp_path
 
     monkeypatch.setattr(plugin_build, "build_plugins", fake_build)
     monkeypatch.setattr(plugin_build, "gpu_archs", lambda: [])
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.plugin_build"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.kernels.build"])
     assert cli.main(["build-plugin", "--build-dir", str(tmp_path), "--cuda-archs", "auto"]) == 0
     assert seen["opts"].cuda is False
     assert plugin_build.NO_GPU_NOTE in capsys.readouterr().out

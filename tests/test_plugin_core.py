@@ -1,6 +1,6 @@
 """The TensorRT-free half of the plugin (plugins/core), through the CPU twin library's C ABI.
 
-Shape and dtype rules are held against rope_export.contract (messages included); plugin fields
+Shape and dtype rules are held against rope_export.op.contract (messages included); plugin fields
 against what a hostile or damaged engine could carry; format rules against the dtype contract.
 """
 
@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_export import contract, plugin
-from rope_export.contract import RotaryAttrs, RotaryContractError
-from rope_export.plugin import BUILD, RUNTIME, PluginField, PluginFieldError
-from rope_export.plugin_build import ensure_built
+from rope_export.kernels import plugin
+from rope_export.kernels.build import ensure_built
+from rope_export.kernels.plugin import BUILD, RUNTIME, PluginField, PluginFieldError
+from rope_export.op import contract
+from rope_export.op.contract import RotaryAttrs, RotaryContractError
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,4 +1,4 @@
-"""The CPU twin (the CUDA kernels' own code on the CPU) against rope_export.reference.
+"""The CPU twin (the CUDA kernels' own code on the CPU) against rope_export.op.reference.
 
 Covers every variant of the op contract over hypothesis-generated cases, both the vector and the
 scalar path (forced, and taken because of misaligned buffers or odd sizes), positions outside the
@@ -16,10 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_export import plugin, reference
-from rope_export.contract import RotaryContractError
-from rope_export.plugin_build import ensure_built
-from rope_export.tolerances import tolerance
+from rope_export.kernels import plugin
+from rope_export.kernels.build import ensure_built
+from rope_export.op import reference
+from rope_export.op.contract import RotaryContractError
+from rope_export.op.tolerances import tolerance
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -212,12 +213,12 @@ def test_contract_errors_come_from_the_cpp_rules():
 def test_tensors_off_the_cpu_are_refused_with_the_binding_that_takes_them():
     x = torch.randn(1, 2, 2, 4, device="meta")
     cos = sin = torch.randn(2, 2)
-    with pytest.raises(ValueError, match="CPU tensors, got one on meta.*rope_export.cuda.rotary_embedding"):
+    with pytest.raises(ValueError, match="CPU tensors, got one on meta.*rope_export.kernels.cuda.rotary_embedding"):
         plugin.run(x, cos, sin)
 
 
 def test_kernels_run_takes_cpu_tensors_to_the_twin():
-    from rope_export import kernels
+    from rope_export.kernels import backend as kernels
 
     x, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(16, 4), torch.randn(16, 4)
     pos = torch.tensor([[0, 1, 2, 3, 15], [4, 5, 6, 7, 16]])  # 16: outside the cache, passed through

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rope_export.modules import RoPEAttention
+from rope_export.op.tolerances import tolerance
 from rope_export.presets import DEFAULT_PRESET, Preset, PresetError, load_preset, preset_names
-from rope_export.tolerances import tolerance
+from rope_export.presets.modules import RoPEAttention
 
 if sys.version_info >= (3, 11):
     import tomllib

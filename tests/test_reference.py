@@ -1,6 +1,6 @@
 """The PyTorch reference of the rotary op, against independent implementations and properties.
 
-Independent references: the NumPy twin (rope_export.onnx_op.rotary_numpy, written separately),
+Independent references: the NumPy twin (rope_export.op.onnx_op.rotary_numpy, written separately),
 onnx.reference running the standard ai.onnx RotaryEmbedding-23 through its function body, and
 transformers' apply_rotary_pos_emb (Llama / GPT-NeoX rotate-half, GPT-J interleaved). Properties
 come from the math of a rotation: norms kept, q.k depends only on the offset, R(-m) R(m) = 1.
@@ -24,10 +24,10 @@ from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb 
 from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_apply_rotary_pos_emb
 
-from rope_export.onnx_op import rotary_numpy
-from rope_export.reference import rotary_embedding
-from rope_export.runners import to_numpy
-from rope_export.tolerances import tolerance
+from rope_export.op.onnx_op import rotary_numpy
+from rope_export.op.reference import rotary_embedding
+from rope_export.op.tolerances import tolerance
+from rope_export.runtimes.runners import to_numpy
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16}

@@ -23,15 +23,15 @@ from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbeddin
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_apply_rotary_pos_emb
 
-from rope_export.modules import RotaryEmbedding
-from rope_export.presets import load_preset
-from rope_export.rope_types import (
+from rope_export.op.rope_types import (
     ROPE_INIT_FUNCTIONS,
     RopeConfig,
     RopeConfigError,
     build_caches,
     inv_freq_and_scaling,
 )
+from rope_export.presets import load_preset
+from rope_export.presets.modules import RotaryEmbedding
 
 # -- building the transformers side --------------------------------------------------------------
 

@@ -25,8 +25,9 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from rope_export import contract, onnx_files
 from rope_export.bench import scale
+from rope_export.files import onnx_files
+from rope_export.op import contract
 
 pytestmark = pytest.mark.slow
 TWO_GB = 2**31

@@ -1,4 +1,4 @@
-"""Progress steps with their time and peak memory (rope_export.steps)."""
+"""Progress steps with their time and peak memory (rope_export.common.steps)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from rope_export.bounds import format_bytes
-from rope_export.steps import SAMPLE_PERIOD_S, StepLog, rss_bytes
+from rope_export.common.bounds import format_bytes
+from rope_export.common.steps import SAMPLE_PERIOD_S, StepLog, rss_bytes
 
 
 def test_each_message_is_a_step_with_its_own_time_and_peak(tmp_path):

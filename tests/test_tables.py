@@ -9,9 +9,9 @@ import sys
 from rich.console import Console
 
 from rope_export.check.report import CheckReport, RunnerReport, print_report
+from rope_export.common.tables import LOG_WIDTH, print_table, table
+from rope_export.op.tolerances import tolerance
 from rope_export.presets import preset_names
-from rope_export.tables import LOG_WIDTH, print_table, table
-from rope_export.tolerances import tolerance
 
 
 def _terminal(width: int) -> tuple[Console, io.StringIO]:

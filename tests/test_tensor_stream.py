@@ -1,4 +1,4 @@
-"""rope_export.tensor_stream: the bytes written are onnx_ir's own serialization of each tensor,
+"""rope_export.files.tensor_stream: the bytes written are onnx_ir's own serialization of each tensor,
 whatever its layout (contiguous, a transposed view, torch bf16, an input file's tensor, packed
 4-bit), also when a tensor spans many chunks; an error on the writer thread reaches the caller."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.onnx._internal.exporter._core import TorchTensor
 
-from rope_export import tensor_stream
-from rope_export.tensor_stream import SequentialWriter
+from rope_export.files import tensor_stream
+from rope_export.files.tensor_stream import SequentialWriter
 
 
 def _tensors() -> list[ir.TensorProtocol]:

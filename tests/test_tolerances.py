@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rope_export.tolerances import TOLERANCES, Tolerance, tolerance
+from rope_export.op.tolerances import TOLERANCES, Tolerance, tolerance
 
 DTYPES = ["float32", "float16", "bfloat16"]
 

@@ -1,4 +1,4 @@
-"""The TensorRT engine path (rope_export.trt). Without TensorRT's builder and a GPU: the one-line
+"""The TensorRT engine path (rope_export.runtimes.trt). Without TensorRT's builder and a GPU: the one-line
 refusal, argument parsing, the profile derived from the file, the check that rotary nodes became
 plugin layers, the rename of pre-rename files, and loading both plugin libraries into the lean
 runtime's registry; the engine tests skip, saying why."""
@@ -14,20 +14,21 @@ import pytest
 import torch
 from exported import CACHE_LEN, exported_model
 
-from rope_export import cli, reference
-from rope_export import trt as rtrt
-from rope_export.cli import CLIError
+from rope_export import cli
+from rope_export.common.errors import CLIError
+from rope_export.kernels.plugin import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
+from rope_export.op import reference
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import lower
 from rope_export.passes.lower_trt_plugin import LEGACY_PLUGIN_NAME, PLUGIN_NAME
-from rope_export.plugin import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
-from rope_export.tolerances import tolerance
-from rope_export.trt_profiles import ProfileError, derive_profile
+from rope_export.runtimes import trt as rtrt
+from rope_export.runtimes.trt_profiles import ProfileError, derive_profile
 
 UNAVAILABLE = rtrt.tensorrt_unavailable_reason()
 
 
 def _cli(monkeypatch, argv):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.plugin_build", "rope_export.trt"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.kernels.build", "rope_export.runtimes.trt"])
     return cli.main(argv)
 
 

@@ -9,7 +9,7 @@ num_outputs, metadata_string and timing_cache_id. The bindings' IPluginV3OneBuil
 attach_to_context...) are documentation stubs for C++ plugins, so the C++ driver
 plugins/tests/glue_smoke.cpp makes those calls on the creator that TensorRT's own registry returns
 (loadLibrary + getCreator in the runtime library), and the dtype table it prints is held against
-rope_export.contract here. Without a GPU nothing here builds an engine or enqueues a kernel.
+rope_export.op.contract here. Without a GPU nothing here builds an engine or enqueues a kernel.
 
 Each test runs once per TensorRT major version whose headers built the libraries and whose lean
 runtime is installed: 11.x (the venv, extra trt-lean) and 10.x (build/trt-lean-10), see the Makefile.
@@ -29,17 +29,17 @@ from pathlib import Path
 import onnx
 import pytest
 
-from rope_export import contract
-from rope_export.contract import RotaryAttrs, RotaryContractError
-from rope_export.passes import lower
-from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from rope_export.plugin import (
+from rope_export.kernels.plugin import (
     TRT_PLUGIN_LIBRARY,
     TRT_VC_PLUGIN_LIBRARY,
     plugin_dir,
     serialize_fields,
     source_root,
 )
+from rope_export.op import contract
+from rope_export.op.contract import RotaryAttrs, RotaryContractError
+from rope_export.passes import lower
+from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 PROBE = Path(__file__).with_name("trt_lean_probe.py")
 LEAN10_DIR = source_root() / "build" / "trt-lean-10"

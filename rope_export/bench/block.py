@@ -1,6 +1,6 @@
 """Section 2: a whole attention block on onnxruntime CPU, our export against a plain export.
 
-Ours: ``rope_export.export.export`` (one rope_export::RotaryEmbedding per rotated tensor) lowered
+Ours: ``rope_export.presets.export.export`` (one rope_export::RotaryEmbedding per rotated tensor) lowered
 to ``onnx`` (default, positions guarded in the graph), to ``onnx`` with trusted positions, and to
 ``ort``. Baseline: ``export.decomposed_export``, a plain ``torch.onnx.export`` of the same block
 (same seed, same weights) with RoPE written as torch ops. Same inputs, same threads, interleaved
@@ -71,7 +71,7 @@ def block_feeds(case: BlockCase, preset, seed: int = 0) -> dict[str, np.ndarray]
 def rope_node_names(custom, lowered) -> set[str]:
     """Nodes of ``lowered`` that stand for RoPE: the rotary nodes (the lowering keeps their names)
     and every node the lowering added (names absent from the custom-op file)."""
-    from rope_export.contract import DOMAIN, OP_TYPE
+    from rope_export.op.contract import DOMAIN, OP_TYPE
 
     before = {n.name for n in custom.graph.node}
     rotary = {n.name for n in custom.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE}
@@ -110,7 +110,7 @@ def profile_share(model, rope_names: set[str], feeds: dict, threads: int, runs: 
 
 
 def _exports(preset, case: BlockCase, say):
-    from rope_export.export import decomposed_export, export
+    from rope_export.presets.export import decomposed_export, export
 
     say(f"block {preset.name} {case.phase}: exporting with the rotary op and as a plain export")
     custom = export(preset, dtype=case.dtype, decode=case.decode, cache_len=CACHE_LEN).model
@@ -120,10 +120,10 @@ def _exports(preset, case: BlockCase, say):
 
 def measure_case(case: BlockCase, threads: int, rounds: int, profile_runs: int, say: Callable[[str], None],
                  cache: dict) -> dict:
-    from rope_export.export import summarize
+    from rope_export.exporting.core import summarize
+    from rope_export.op.tolerances import tolerance
     from rope_export.passes import lower
     from rope_export.presets import load_preset
-    from rope_export.tolerances import tolerance
 
     preset = load_preset(case.preset)
     if case.past + case.seq > CACHE_LEN:

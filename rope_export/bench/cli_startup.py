@@ -51,8 +51,9 @@ def run_section(mode: str, say: Callable[[str], None]) -> dict:
         say("cli: exporting the tiny preset, and its plain export for fuse (not timed)")
         subprocess.run([*_rope_export(), "export", "--preset", "tiny", "-o", str(work / "tiny.onnx")], check=True,
                        capture_output=True, timeout=600)
-        from rope_export.export import decomposed_export, save_model
+        from rope_export.exporting.core import save_model
         from rope_export.presets import load_preset
+        from rope_export.presets.export import decomposed_export
 
         # what users fuse: a plain torch.onnx export of the block (fuse does not read back rope-export's own
         # decomposed lowering, whose out-of-range pass-through is not a spelling it knows)

@@ -6,7 +6,7 @@ bf16 X with float32 caches. Runners (rope_export.bench.gpu_kernels, .gpu_onnx): 
 through librope_export_cuda.so (one launch per tensor, q+k in one launch, and for decode that launch
 replayed from a CUDA graph beside an empty kernel launch), PyTorch eager and torch.compile, FlashInfer
 when it imports, onnxruntime's CUDA provider and TensorRT when installed, and a device copy of the
-same bytes. Every runner is first checked against rope_export.reference on the same tensors, then
+same bytes. Every runner is first checked against rope_export.op.reference on the same tensors, then
 all are timed with CUDA events on PyTorch's current stream in interleaved rounds; a figure is a
 median. Achieved bandwidth = bytes / median (read and write q and k, read each token's cos/sin row
 once); fraction of peak = achieved / (2 x memory clock x bus width of the device).
@@ -49,7 +49,7 @@ TARGETS = {"prefill_fraction_of_peak": 0.85, "decode_vs_empty_launch": 2.0}
 def unavailable_reason() -> str | None:
     """Why there is no GPU section here, or None when the kernels can run on a CUDA device."""
     try:
-        from rope_export import cuda
+        from rope_export.kernels import cuda
     except ImportError as exc:
         return f"the CUDA binding does not import: {exc}"
     return cuda.unavailable_reason()
@@ -69,7 +69,7 @@ def cuda_event_clock(fn: Callable[[], object], inner: int) -> float:
 
 def peak_bandwidth() -> tuple[float | None, str]:
     """Theoretical DRAM bandwidth in bytes/s and where it came from."""
-    from rope_export import cuda
+    from rope_export.kernels import cuda
 
     peak = cuda.device_info().peak_bandwidth
     if peak:
@@ -78,7 +78,7 @@ def peak_bandwidth() -> tuple[float | None, str]:
 
 
 def _agrees(result, expected, dtype: str) -> bool:
-    from rope_export.tolerances import tolerance
+    from rope_export.op.tolerances import tolerance
 
     tol = tolerance("block", dtype)  # other implementations round in X's dtype at other steps
     return all(tol.allclose(r.float().cpu().numpy(), e.float().cpu().numpy()) for r, e in zip(result, expected,
@@ -158,7 +158,7 @@ def run_section(mode: str, say: Callable[[str], None], rounds: int | None = None
         return {"status": "skipped", "measured": False, "reason": reason, "title": TITLE}
     import torch
 
-    from rope_export import cuda
+    from rope_export.kernels import cuda
 
     peak, peak_source = peak_bandwidth()
     info = cuda.device_info()
@@ -221,7 +221,7 @@ def markdown(section: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rope_export.fileio import atomic_write_text
+    from rope_export.files.fileio import atomic_write_text
 
     p = argparse.ArgumentParser(prog="python -m rope_export.bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,7 +2,7 @@
 callable enqueued on PyTorch's current stream (CUDA events time it, rope_export.bench.gpu).
 
 * ``ours_per_tensor`` / ``ours_qk``: the TensorRT plugin's kernels through librope_export_cuda.so,
-  one launch per tensor / q and k in one launch (``rope_export.cuda.BoundLaunch``: the arguments are
+  one launch per tensor / q and k in one launch (``rope_export.kernels.cuda.BoundLaunch``: the arguments are
   built once, each call is one ctypes call);
 * ``ours_qk_graph``: that launch captured in a CUDA graph and replayed (decode: no CPU launch cost);
 * ``torch_eager`` / ``torch_compile``: transformers' apply_rotary_pos_emb (cos/sin gathered from the
@@ -93,8 +93,8 @@ def make_tensors(case: GpuCase, seed: int = 0) -> Tensors:
 
 
 def reference_outputs(case: GpuCase, t: Tensors):
-    """rope_export.reference on the device, in float32 math: what every runner must reproduce."""
-    from rope_export import reference
+    """rope_export.op.reference on the device, in float32 math: what every runner must reproduce."""
+    from rope_export.op import reference
 
     return (reference.rotary_embedding(t.q, t.cos, t.sin, t.pos, num_heads=case.q_heads),
             reference.rotary_embedding(t.k, t.cos, t.sin, t.pos, num_heads=case.kv_heads))
@@ -121,7 +121,7 @@ def runners(case: GpuCase, t: Tensors) -> tuple[dict[str, Callable[[], object]],
     has none worth checking (copy, empty launch, in-place reruns)."""
     import torch
 
-    from rope_export import cuda
+    from rope_export.kernels import cuda
 
     run: dict[str, Callable[[], object]] = {}
     skipped: dict[str, str] = {}

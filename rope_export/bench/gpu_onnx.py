@@ -30,8 +30,8 @@ def rotary_model(case: GpuCase, t: Tensors):
     import onnx
     from onnx import helper, numpy_helper
 
-    from rope_export.contract import DOMAIN, RotaryAttrs
-    from rope_export.onnx_op import make_rotary_node
+    from rope_export.op.contract import DOMAIN, RotaryAttrs
+    from rope_export.op.onnx_op import make_rotary_node
 
     elem = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
             "bfloat16": onnx.TensorProto.BFLOAT16}[case.dtype]
@@ -86,7 +86,7 @@ class _TrtRunner:
 
     def __init__(self, model, plugins: list[str], t: Tensors, workdir: Path, name: str):
         from rope_export.passes import save_model
-        from rope_export.trt import build_engine, load_engine
+        from rope_export.runtimes.trt import build_engine, load_engine
 
         onnx_path = workdir / f"{name}.onnx"
         save_model(model, onnx_path)
@@ -135,7 +135,7 @@ def runners(case: GpuCase, t: Tensors, workdir: Path, say) -> tuple[dict[str, Ca
 
 def _tensorrt(case, t, model, workdir, run, skipped, say) -> None:
     from rope_export.passes import lower
-    from rope_export.trt import default_plugin_library, tensorrt_unavailable_reason
+    from rope_export.runtimes.trt import default_plugin_library, tensorrt_unavailable_reason
 
     reason = tensorrt_unavailable_reason()
     if reason:

@@ -215,7 +215,7 @@ def memcpy_of(nbytes: int, split: tuple[int, ...]) -> Callable[[], object]:
 def cross_check_tolerance(dtype: str):
     """The decomposed baseline rounds every step in x's dtype, the fused op once: compare at the
     block tolerance (a few ulps of the output's scale), not the op's two-ulp one."""
-    from rope_export.tolerances import tolerance
+    from rope_export.op.tolerances import tolerance
 
     return tolerance("block", dtype)
 

@@ -53,9 +53,9 @@ from rope_export.bench.scale_peers import (
     copy_command,
     write_rate,
 )
-from rope_export.bounds import format_bytes
 from rope_export.check.runners import PIECE_LIMIT
-from rope_export.onnx_files import data_path
+from rope_export.common.bounds import format_bytes
+from rope_export.files.onnx_files import data_path
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 RSS_GOAL = 1.3  # peak RSS of export --hf over the weight bytes
@@ -90,7 +90,7 @@ def weight_plan(size: str, dtype: str = "fp16") -> dict:
     import torch
     import transformers
 
-    from rope_export.export import DTYPES
+    from rope_export.exporting.core import DTYPES
 
     config = transformers.AutoConfig.for_model(**SIZES[size])
     with torch.device("meta"):
@@ -163,7 +163,7 @@ def _mem_available() -> int | None:
 
 def run_step(name: str, argv: list[str], log: Path, outputs: list[Path] = ()) -> dict:
     """Run ``argv`` in a child process; its wall time, peak RSS (``ru_maxrss``), exit code and files."""
-    from rope_export.export import output_files
+    from rope_export.files.onnx_files import output_files
 
     start = time.perf_counter()
     with open(log, "wb") as out:
@@ -337,7 +337,7 @@ def check_note(report_json: Path) -> str:
 
 
 def _remove(path: Path) -> None:
-    from rope_export.onnx_files import data_path
+    from rope_export.files.onnx_files import data_path
 
     data = data_path(path)
     shutil.rmtree(data, ignore_errors=True) if data.is_dir() else data.unlink(missing_ok=True)
@@ -432,7 +432,7 @@ def plain_export(config_dir: str | os.PathLike, output: str | os.PathLike, *, dt
     import torch
     import transformers
 
-    from rope_export.export import DTYPES
+    from rope_export.exporting.core import DTYPES
     from rope_export.hf import CausalLMWithCache, hf_example_inputs, hf_io_names
     from rope_export.hf.loading import weights_beside
 
@@ -466,7 +466,7 @@ def plain_export(config_dir: str | os.PathLike, output: str | os.PathLike, *, dt
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from rope_export.steps import StepLog
+    from rope_export.common.steps import StepLog
 
     parser = argparse.ArgumentParser(prog="python -m rope_export.bench.scale", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -90,7 +90,7 @@ def write_tokenizer(folder: Path, vocab_size: int, bos: int | None, eos: int | l
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from rope_export.steps import StepLog
+    from rope_export.common.steps import StepLog
 
     parser = argparse.ArgumentParser(prog="python -m rope_export.bench.scale_peers",
                                      description="write the model folder the scale benchmark's exports all read")

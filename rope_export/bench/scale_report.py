@@ -7,8 +7,8 @@ import os
 import statistics
 
 from rope_export.bench.scale_peers import BUILDER, PER_KIND
-from rope_export.bounds import format_bytes
-from rope_export.plotting import pyplot_or_none, save_png
+from rope_export.common.bounds import format_bytes
+from rope_export.common.plotting import pyplot_or_none, save_png
 
 PLAIN, OURS, CHECK = "plain export", "export --hf", "check"
 

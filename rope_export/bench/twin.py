@@ -1,6 +1,6 @@
 """Section 3: the kernels' CPU twin against a memory copy of the same bytes.
 
-The twin (``rope_export.plugin.run``) walks the CUDA grid with one host thread, so it is held
+The twin (``rope_export.kernels.plugin.run``) walks the CUDA grid with one host thread, so it is held
 against single-thread copies: ``numpy.copyto`` between two preallocated buffers (a libc memcpy)
 moving the same total bytes (read x + the cos/sin rows used, write the output; q and k). The
 output buffers are preallocated too, so neither side pays for allocation. A third runner calls
@@ -36,7 +36,7 @@ LABELS = {
 def measure_case(case: RopeCase, rounds: int, say: Callable[[str], None]) -> dict:
     import torch
 
-    from rope_export import plugin
+    from rope_export.kernels import plugin
 
     say(f"CPU twin {case.phase} {case.dtype}: preparing")
     inputs = make_inputs(case)
@@ -77,7 +77,7 @@ def measure_case(case: RopeCase, rounds: int, say: Callable[[str], None]) -> dic
 
 
 def run_section(cases: list[RopeCase], rounds: dict[str, int], say: Callable[[str], None]) -> dict:
-    from rope_export import plugin_build
+    from rope_export.kernels import build as plugin_build
 
     say("building the plugin's CPU twin if needed (build/plugins)")
     plugin_build.ensure_built(quiet=True)

@@ -19,7 +19,7 @@ The package follows polygraphy's split between what is compared and how:
 * ``core``: ``check()`` itself; ``cli``: the command.
 """
 
-from rope_export.lazy import lazy_getattr
+from rope_export.common.lazy import lazy_getattr
 
 # Imported on first use (PEP 562): `rope-export check --help` needs only cli.py, not torch or onnxruntime.
 _EXPORTS = {

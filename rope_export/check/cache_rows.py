@@ -25,8 +25,8 @@ from rope_export.check.graph import CONTRACT_KINDS, RotarySlice, tables_by_shape
 from rope_export.check.inputs import InputPlan, Sizes, make_feeds
 from rope_export.check.model_file import ModelFile
 from rope_export.check.runners import Limits, Skip, first_line, make_runner
-from rope_export.rope_types import RopeConfig, build_caches, inv_freq_and_scaling
-from rope_export.tolerances import tolerance
+from rope_export.op.rope_types import RopeConfig, build_caches, inv_freq_and_scaling
+from rope_export.op.tolerances import tolerance
 
 CHUNK_ELEMENTS = 1 << 22  # X elements per run of a node alone (16 MB in float32)
 FLOAT32_ANGLE_SLACK = 2.0**-22  # caches computed in the graph in float32: angle error ~p*theta*2^-24 per rounding
@@ -193,8 +193,8 @@ def _per_token(value: np.ndarray, rank: int) -> np.ndarray:
 def _rotate(golden: _Golden, sl: RotarySlice, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
     import torch
 
-    from rope_export.reference import rotary_embedding
-    from rope_export.runners import to_torch
+    from rope_export.op.reference import rotary_embedding
+    from rope_export.runtimes.runners import to_torch
 
     rn = sl.chosen
     xt = to_torch(x)

@@ -94,8 +94,8 @@ def register(subparsers) -> None:
 def _run(args) -> int:
     from rope_export.check.core import check
     from rope_export.check.report import print_report, write_reports
-    from rope_export.steps import cli_steps
-    from rope_export.tables import console as make_console
+    from rope_export.common.steps import cli_steps
+    from rope_export.common.tables import console as make_console
 
     console = make_console()
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
@@ -122,8 +122,8 @@ def _run(args) -> int:
 
 def _load_module(spec: str) -> dict:
     """check's module/args/kwargs from an export factory; a factory that fails is bad input (exit 2)."""
+    from rope_export.blocks.export import ModuleExportError, load_factory
     from rope_export.check.model_file import CheckError
-    from rope_export.module_export import ModuleExportError, load_factory
 
     try:
         parts = load_factory(spec)

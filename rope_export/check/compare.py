@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rope_export.tolerances import AgainstPyTorch, Tolerance
+from rope_export.op.tolerances import AgainstPyTorch, Tolerance
 
 
 @dataclass

@@ -11,7 +11,6 @@ import time
 import numpy as np
 import onnx
 
-from rope_export.bounds import format_bytes
 from rope_export.check import cache_rows
 from rope_export.check.compare import compare_against_pytorch, compare_output, token_errors, token_limit_ratios
 from rope_export.check.graph import rotary_nodes, rotary_slices
@@ -34,8 +33,9 @@ from rope_export.check.runners import (
     make_runner,
     run_cases,
 )
-from rope_export.export import DTYPES
-from rope_export.tolerances import against_pytorch, for_layers, tolerance
+from rope_export.common.bounds import format_bytes
+from rope_export.exporting.core import DTYPES
+from rope_export.op.tolerances import against_pytorch, for_layers, tolerance
 
 PRECISIONS = ("auto", "fp32", "fp64", "none")
 
@@ -181,9 +181,9 @@ def check(
     rule = against_pytorch(DTYPES[dtype]) if measured else None
     notes += [ref.fallback_note] if getattr(ref, "fallback_note", "") else []
     if measured:
-        notes.append(f"pass rule, measured: {rule.describe()} (rope_export.tolerances.against_pytorch)")
+        notes.append(f"pass rule, measured: {rule.describe()} (rope_export.op.tolerances.against_pytorch)")
     elif layers > 1:
-        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.tolerances.for_layers): no "
+        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.op.tolerances.for_layers): no "
                      "higher-precision reference for this file")
     layer_names, pytorch_layers = [], None
     if measured and ref.reference_states:

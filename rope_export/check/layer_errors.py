@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from rope_export.tolerances import AgainstPyTorch
+from rope_export.op.tolerances import AgainstPyTorch
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 LAYER_SCOPE = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)$")

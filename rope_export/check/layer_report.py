@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from rope_export.check.layer_errors import LayerErrors
-from rope_export.plotting import pyplot_or_none, save_png
+from rope_export.common.plotting import pyplot_or_none, save_png
 
 
 def summary_line(layers: LayerErrors) -> str:

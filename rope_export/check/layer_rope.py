@@ -18,7 +18,7 @@ import onnx
 from rope_export.check.graph import RotaryNode, RotarySlice
 from rope_export.check.model_file import ModelFile
 from rope_export.detect.census import module_path_of
-from rope_export.rope_types import RopeConfig
+from rope_export.op.rope_types import RopeConfig
 
 _LAYER_IN_PATH = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
 _PRESENT_KEY = re.compile(r"present\.(\d+)\.key")

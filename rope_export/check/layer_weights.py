@@ -36,7 +36,7 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def skeleton(auto_class, config, dtype: torch.dtype, options: dict) -> nn.Module:
     """The model with every parameter on the meta device (buffers real), as ``build_causal_lm`` constructs it."""
-    from rope_export.checkpoints import default_dtype, parameters_on_meta
+    from rope_export.exporting.checkpoints import default_dtype, parameters_on_meta
 
     with parameters_on_meta(), default_dtype(dtype):
         model = auto_class.from_config(config, **{"attn_implementation": "eager", **options, "dtype": dtype})
@@ -53,7 +53,7 @@ class CheckpointWeights:
     """Tensors read from a safetensors checkpoint by name (see the module doc)."""
 
     def __init__(self, folder: str | Path, model: nn.Module):
-        from rope_export.checkpoints import _check_extents, _checkpoint_plan, _mismatch, _without_ignored
+        from rope_export.exporting.checkpoints import _check_extents, _checkpoint_plan, _mismatch, _without_ignored
 
         try:
             plan = _without_ignored(model, _checkpoint_plan(Path(folder)))
@@ -71,7 +71,7 @@ class CheckpointWeights:
         self.count = len(layers)
 
     def _read(self, names) -> dict[str, torch.Tensor]:
-        from rope_export.checkpoints import _bytes_of, _read_into
+        from rope_export.exporting.checkpoints import _bytes_of, _read_into
 
         out = {}
         for name in names:
@@ -143,7 +143,7 @@ class RandomWeights:
         self._made = {k: v for k, v in self._made.items() if id(v[1]) not in freed}
 
     def _first_walk(self) -> None:
-        from rope_export.checkpoints import default_dtype
+        from rope_export.exporting.checkpoints import default_dtype
 
         saved = torch.get_rng_state()
         torch.manual_seed(self.seed)
@@ -174,7 +174,7 @@ class RandomWeights:
         return self._outside
 
     def layer(self, index: int) -> dict[str, torch.Tensor]:
-        from rope_export.checkpoints import default_dtype
+        from rope_export.exporting.checkpoints import default_dtype
 
         if self._outside is None:
             self._first_walk()

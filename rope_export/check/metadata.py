@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass, field
 
 from rope_export.check.model_file import CheckError, ModelFile, require_memory
-from rope_export.export import DTYPES
+from rope_export.exporting.core import DTYPES
+from rope_export.op.rope_types import RopeConfig
 from rope_export.presets import Preset
-from rope_export.rope_types import RopeConfig
 
 MAX_SEED = 2**63 - 1
 MAX_POSITIONS = 2**31 - 1

@@ -20,8 +20,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from rope_export import onnx_op  # noqa: F401  (registers the rope_export schema for onnx.checker)
-from rope_export.bounds import format_bytes
+from rope_export.common.bounds import format_bytes
+from rope_export.op import onnx_op  # noqa: F401  (registers the rope_export schema for onnx.checker)
 
 METADATA_PREFIX = "rope_export."
 PROTOBUF_LIMIT = 2**31 - 2**20  # a ModelProto past this cannot be serialized
@@ -311,7 +311,7 @@ def memory_limit_bytes(limit_gb: float | None = None) -> int:
     the flag, else the memory available now (``bounds.available_memory``, as export's checks use)."""
     if limit_gb is not None:
         return int(limit_gb * 1e9)  # decimal GB, as every size check prints
-    from rope_export.bounds import available_memory
+    from rope_export.common.bounds import available_memory
 
     return available_memory() or 16 * 2**30
 

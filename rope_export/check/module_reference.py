@@ -115,7 +115,7 @@ class ModuleReference(Reference):
         import torch
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
-        from rope_export.runners import to_torch
+        from rope_export.runtimes.runners import to_torch
 
         tensors = iter(to_torch(feeds[n]) for n in self.input_names)
         if self.structure is None:
@@ -128,7 +128,7 @@ class ModuleReference(Reference):
         import torch
         from torch.utils._pytree import tree_leaves
 
-        from rope_export.runners import to_numpy
+        from rope_export.runtimes.runners import to_numpy
 
         say(f"running {self.label} on {len(cases)} cases")
         results = []

@@ -27,8 +27,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from rope_export.bounds import format_bytes
 from rope_export.check.model_file import CheckError, free_memory, tensor_nbytes
+from rope_export.common.bounds import format_bytes
 
 HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 

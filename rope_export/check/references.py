@@ -27,7 +27,7 @@ from rope_export.check.metadata import HFInfo, PresetInfo
 from rope_export.check.model_file import CheckError, ModelFile, TensorSpec, free_memory
 from rope_export.check.runners import Limits, Skip, first_line, make_runner, run_cases
 from rope_export.check.weights import choose_weights
-from rope_export.export import DTYPES, INPUT_NAMES, OUTPUT_NAMES
+from rope_export.exporting.core import DTYPES, INPUT_NAMES, OUTPUT_NAMES
 
 
 class Reference:
@@ -81,7 +81,7 @@ class PresetReference(Reference):
     def outputs(self, cases, say):
         import torch
 
-        from rope_export.runners import to_numpy, to_torch
+        from rope_export.runtimes.runners import to_numpy, to_torch
 
         info = self.info
         say(f"running {self.label} on {len(cases)} cases")
@@ -243,7 +243,7 @@ class TransformersReference(Reference):
         from transformers.cache_utils import DynamicCache
 
         from rope_export.hf.cache_io import returned_cache, with_cache
-        from rope_export.runners import to_numpy, to_torch
+        from rope_export.runtimes.runners import to_numpy, to_torch
 
         feeds = {k: to_torch(v) for k, v in case.feeds.items()}
         cache = DynamicCache()
@@ -264,7 +264,7 @@ class TransformersReference(Reference):
 
     def _layer(self, model, case) -> dict[str, np.ndarray]:
         from rope_export import hf
-        from rope_export.runners import to_numpy, to_torch
+        from rope_export.runtimes.runners import to_numpy, to_torch
 
         module = hf.AttentionWithCache(model, self.info.layer or 0).eval()
         outs = module(*(to_torch(case.feeds[n]) for n in INPUT_NAMES))

@@ -17,9 +17,9 @@ from rope_export.check.cache_rows import SweepResult, TableCheck
 from rope_export.check.compare import OutputStats, PositionErrors, bucket_label
 from rope_export.check.layer_errors import LayerErrors
 from rope_export.check.layer_report import layer_lines, plot_error_vs_layer, summary_line
-from rope_export.fileio import atomic_write_text
-from rope_export.plotting import pyplot_or_none, save_png
-from rope_export.tolerances import AgainstPyTorch, Tolerance
+from rope_export.common.plotting import pyplot_or_none, save_png
+from rope_export.files.fileio import atomic_write_text
+from rope_export.op.tolerances import AgainstPyTorch, Tolerance
 
 
 @dataclass
@@ -297,8 +297,8 @@ def write_reports(report: CheckReport, directory: str | os.PathLike) -> list[Pat
 
 
 def print_report(report: CheckReport, console) -> None:
-    from rope_export.tables import print_table
-    from rope_export.tables import table as make_table
+    from rope_export.common.tables import print_table
+    from rope_export.common.tables import table as make_table
 
     title = (f"{report.model} ({report.dtype}) against {report.against}" if report.independent else
              f"{report.model} ({report.dtype}): runners compared with {report.against}, not with PyTorch")

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from rope_export.bounds import format_bytes
 from rope_export.check.graph import rotary_nodes
 from rope_export.check.model_file import CheckError, ModelFile
 from rope_export.check.names import RUNNERS
 from rope_export.check.pieces import StreamedRunner, plan_pieces, session_costs
+from rope_export.common.bounds import format_bytes
 
 MAX_IN_MEMORY = 1 << 30  # weights above this stay on disk: runners that need a ModelProto are skipped
 PIECE_LIMIT = 4 << 30  # onnxruntime CPU in pieces (when one session does not fit): at most this per piece
@@ -75,7 +75,7 @@ def _needs_proto(mf: ModelFile, name: str, max_in_memory: int) -> None:
 
 def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, cases=(), limits: Limits = Limits()):
     """(a polygraphy runner, or a StreamedRunner, and a note on how it runs the file), or raise Skip."""
-    from rope_export.runners import CpuTwinRunner, OnnxReferenceRunner
+    from rope_export.runtimes.runners import CpuTwinRunner, OnnxReferenceRunner
 
     kinds = _kinds(mf)
     if name in ("onnx-reference", "tensorrt"):
@@ -92,7 +92,7 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
             raise Skip("no rope_export or trt-plugin rotary node for the twin to run (the file was lowered to "
                        "another target)")
         _contrib_skip(mf, name)
-        from rope_export import plugin
+        from rope_export.kernels import plugin
 
         try:
             plugin.twin()
@@ -103,7 +103,7 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
     if name in ("onnxruntime-cpu", "onnxruntime-cuda"):
         return _onnxruntime(mf, name, kinds, limits)
     if name == "tensorrt":
-        from rope_export import trt
+        from rope_export.runtimes import trt
 
         reason = trt.tensorrt_unavailable_reason()
         if reason:
@@ -145,7 +145,7 @@ def ort_cpu_bytes(mf: ModelFile) -> int:
 def _onnxruntime(mf: ModelFile, name: str, kinds: set[str], limits: Limits):
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
-    from rope_export.runners import cuda_available_for_onnxruntime
+    from rope_export.runtimes.runners import cuda_available_for_onnxruntime
 
     if name == "onnxruntime-cuda" and not cuda_available_for_onnxruntime():
         raise Skip("onnxruntime has no CUDA execution provider here (install rope-export[gpu] on a GPU machine)")
@@ -235,8 +235,8 @@ def _tensorrt_runner(mf: ModelFile, plugin_library: str | None, cases):
     import onnx
     from polygraphy.backend.trt import TrtRunner
 
-    from rope_export import trt
     from rope_export.passes import lower
+    from rope_export.runtimes import trt
 
     plugin = plugin_library or str(trt.default_plugin_library())
     model = mf.full_proto()

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import onnx
 import onnx_ir as ir
 
-from rope_export.contract import DOMAIN, OP_TYPE
 from rope_export.detect.witness import RotationCensus, RotationSite, layer_of
+from rope_export.op.contract import DOMAIN, OP_TYPE
 from rope_export.passes.lower_trt_plugin import is_trt_plugin_node
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_export import ops
-from rope_export.tolerances import tolerance
+from rope_export.op import ops
+from rope_export.op.tolerances import tolerance
 
 LAYOUTS = ("bhsd", "bshd")  # [B, H, S, D] (transformers' unsqueeze_dim=1) and [B, S, H, D] (unsqueeze_dim=2)
 LAYOUT_PARAMETER = "unsqueeze_dim"  # transformers' name for the layout switch: 1 -> bhsd, 2 -> bshd

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from rope_export.detect.forms import FORMS, RotaryForm, difference, probe, replacement_call
-from rope_export.meta import dict_items_patched, patched
+from rope_export.exporting.meta import dict_items_patched, patched
 
 SEARCH_DEPTH = 3  # how many calls deep a rotary function may sit below a method
 _SKIPPED_PACKAGES = ("torch", "rope_export", "typing", "functools", "builtins", "numpy", "onnx")
@@ -301,7 +301,7 @@ class RealCallCheck:
 
     @property
     def ok(self) -> bool:
-        from rope_export.tolerances import tolerance
+        from rope_export.op.tolerances import tolerance
 
         return self.calls > 0 and not self.failure and tolerance("op", "float32").allclose(self.error, 0.0)
 

@@ -24,8 +24,8 @@ the file. The modules:
 transformers is imported lazily: the package imports without it.
 """
 
+from rope_export.cli.export_command import wants_hf_export
 from rope_export.detect.forms import FORMS, rotate_half_qk
-from rope_export.export_command import wants_hf_export
 from rope_export.hf.cache_io import (
     AttentionWithCache,
     CacheLayout,

@@ -1,17 +1,17 @@
 """``rope-export export --hf CONFIG``: what the ``export`` command runs when any of its transformers options is
-given (the options: ``rope_export.export_command``, which imports neither torch nor transformers)."""
+given (the options: ``rope_export.cli.export_command``, which imports neither torch nor transformers)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rope_export import contract
-from rope_export.checkpoints import weights_fact
+from rope_export.exporting.checkpoints import weights_fact
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.exporting import export_hf
 from rope_export.hf.families import HF_FAMILIES
 from rope_export.hf.loading import build_hf_model, weights_beside
 from rope_export.hf.versions import said_when_untested
+from rope_export.op import contract
 
 
 def run_hf_export(args) -> int:
@@ -19,8 +19,9 @@ def run_hf_export(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rope_export.export import _check_writable, output_files, summarize
-    from rope_export.steps import cli_steps
+    from rope_export.common.steps import cli_steps
+    from rope_export.exporting.core import check_output_writable, summarize
+    from rope_export.files.onnx_files import output_files
 
     try:
         import transformers  # noqa: F401
@@ -39,7 +40,7 @@ def run_hf_export(args) -> int:
                 f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
                 "the graph and the model is exported as it is"
             )
-    _check_writable(Path(args.output))  # before the minutes of building and tracing
+    check_output_writable(Path(args.output))  # before the minutes of building and tracing
     # the --hf folder's own checkpoint unless told otherwise: a folder with weights never exports random ones
     weights = args.weights if args.weights is not None or args.random_weights else weights_beside(args.hf)
     if weights is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rope_export.export import ExportError
+from rope_export.exporting.core import ExportError
 
 
 class HFExportError(ExportError):

@@ -26,23 +26,23 @@ import onnx
 import torch
 
 from rope_export import __version__
+from rope_export.cli.export_command import HF_FALLBACKS, HF_TRACES
 from rope_export.detect import rotary_nodes
 from rope_export.detect.functions import recorded_calls
-from rope_export.export import (
+from rope_export.exporting.core import (
     DTYPES,
     INPUT_NAMES,
     METADATA_PREFIX,
     OUTPUT_NAMES,
-    _check_opset,
-    _check_writable,
-    _quiet_exporter,
+    check_opset,
+    check_output_writable,
     count_rotary_nodes,
     custom_translation_table,
     finish_export,
     graph_proto,
     rename_dynamic_dims,
 )
-from rope_export.export_command import HF_FALLBACKS, HF_TRACES
+from rope_export.exporting.torch_onnx import quiet_exporter
 from rope_export.hf.cache_io import (
     AttentionWithCache,
     CacheLayout,
@@ -164,7 +164,7 @@ def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError
 
 def _export(module, inputs, dynamic_shapes, input_names, output_names, opset, verbose, progress=None, extra=None):
     """torch.onnx's ONNXProgram: its onnx_ir model refers to the torch tensors without copying them."""
-    with torch.no_grad(), _quiet_exporter(verbose, progress):
+    with torch.no_grad(), quiet_exporter(verbose, progress):
         return torch.onnx.export(
             module, tuple(inputs), dynamo=True, opset_version=opset, input_names=input_names,
             output_names=output_names, dynamic_shapes=dynamic_shapes,
@@ -309,9 +309,9 @@ def export_hf(
         raise HFExportError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
     if trace not in TRACES:
         raise HFExportError(f"trace must be one of {', '.join(TRACES)}, got {trace!r}")
-    _check_opset(opset)
+    check_opset(opset)
     if output is not None:
-        _check_writable(Path(output))
+        check_output_writable(Path(output))
     fam = family_of(model, family)
     dtype_name = {v: k for k, v in DTYPES.items()}.get(next(model.parameters()).dtype, "fp32")
     notes: list[str] = []

@@ -21,7 +21,7 @@ from torch import nn
 
 from rope_export.detect.forms import FORMS
 from rope_export.hf.errors import HFExportError
-from rope_export.rope_types import RopeConfig, RopeConfigError
+from rope_export.op.rope_types import RopeConfig, RopeConfigError
 
 
 def text_config(config):

@@ -11,11 +11,12 @@ import json
 
 import onnx
 
-from rope_export import __version__, contract
-from rope_export.export import METADATA_PREFIX
+from rope_export import __version__
+from rope_export.exporting.core import METADATA_PREFIX
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, rope_config_from_hf
-from rope_export.rope_types import RopeConfig
+from rope_export.op import contract
+from rope_export.op.rope_types import RopeConfig
 
 
 def hf_metadata(model, family: HFFamily, *, hook_description: str, interleaved: bool, dtype: str, kind: str,

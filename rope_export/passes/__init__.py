@@ -9,7 +9,7 @@ Each graph rule is a class with ``pattern``, ``check`` and ``rewrite`` in its ow
 (``rope-export lower`` / ``rope-export fuse``) is ``cli.py``.
 """
 
-from rope_export.lazy import lazy_getattr
+from rope_export.common.lazy import lazy_getattr
 
 # Imported on first use (PEP 562): onnxscript's rewriter takes a second to import, and
 # `rope-export lower --help` only needs passes/targets.py.

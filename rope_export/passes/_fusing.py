@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
+from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.passes._cos_sin import (
     Trace,
     TraceError,

@@ -13,13 +13,13 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from rope_export.contract import DOMAIN, OP_TYPE, RotaryAttrs
+from rope_export.op.contract import DOMAIN, OP_TYPE, RotaryAttrs
 from rope_export.passes._values import FLOAT_TYPES, dim, dtype_name, dtype_of, rank_of, same_dim
 
 
 @dataclass
 class RotarySite:
-    """One rope_export::RotaryEmbedding node, read against rope_export.contract."""
+    """One rope_export::RotaryEmbedding node, read against rope_export.op.contract."""
 
     node: ir.Node
     x: ir.Value

@@ -15,9 +15,9 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-import rope_export.onnx_op  # noqa: F401 - registers the rope_export schema (checker, shape inference)
-from rope_export import onnx_files
-from rope_export.contract import DOMAIN
+import rope_export.op.onnx_op  # noqa: F401 - registers the rope_export schema (checker, shape inference)
+from rope_export.files import onnx_files
+from rope_export.op.contract import DOMAIN
 
 
 class PassError(ValueError):

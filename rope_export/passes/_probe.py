@@ -287,6 +287,6 @@ def _failure(runtime: str, exc: Exception) -> str:
 def _run_reference(proto: onnx.ModelProto, arrays: dict, new_ops=()) -> list[np.ndarray]:
     from onnx.reference import ReferenceEvaluator
 
-    from rope_export.onnx_op import RotaryEmbedding
+    from rope_export.op.onnx_op import RotaryEmbedding
 
     return ReferenceEvaluator(proto, new_ops=[RotaryEmbedding, *new_ops]).run(None, arrays)

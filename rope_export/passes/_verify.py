@@ -3,7 +3,7 @@ with the caches the rewrite hands the fused node.
 
 The site's own inputs are fed: the rotated tensor (random normal) and every graph input the
 cos/sin path reads (position ids: random in-range integers; float inputs: random normal). The
-expected result is ``rope_export.onnx_op.rotary_numpy`` (the contract in NumPy) on the op's X with
+expected result is ``rope_export.op.onnx_op.rotary_numpy`` (the contract in NumPy) on the op's X with
 the traced caches. A look-alike (cos and sin of different angles, a scale that is not RoPE, a
 permutation that only looks like a rotation) differs by O(1) and is left alone.
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from rope_export.onnx_op import rotary_numpy
+from rope_export.op.onnx_op import rotary_numpy
+from rope_export.op.tolerances import tolerance
 from rope_export.passes._cos_sin import Trace, _numeric_step
 from rope_export.passes._probe import Probe, ProbeError
 from rope_export.passes._site import FOLDED, SkipSite, folded_tokens, random_feeds, tokens_of
 from rope_export.passes._values import dtype_name, dtype_of
-from rope_export.tolerances import tolerance
 
 SEED = 20261123
 MAX_POSITION = 16  # random positions stay below this (and below half a gathered table)

@@ -6,7 +6,7 @@ import sys
 
 
 def register(subparsers) -> None:
-    from rope_export.cli_options import add_output_arguments
+    from rope_export.cli.options import add_output_arguments
     from rope_export.passes.targets import TARGET_HELP
 
     lower = subparsers.add_parser(
@@ -66,10 +66,10 @@ def _run_pass(args, title: str, apply) -> tuple:
     missing or read-only folder is reported before any work."""
     from rich.console import Console
 
-    from rope_export.fileio import check_writable
-    from rope_export.onnx_files import output_files
+    from rope_export.common.steps import cli_steps
+    from rope_export.files.fileio import check_writable
+    from rope_export.files.onnx_files import output_files
     from rope_export.passes import PassError, load_ir, save_model
-    from rope_export.steps import cli_steps
 
     try:
         check_writable(args.output)

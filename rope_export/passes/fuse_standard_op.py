@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from onnxscript.rewriter import pattern
 
-from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
+from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.passes._fusing import STAGES, FusionReport
 from rope_export.passes._lowering import SiteError, read_site
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
+from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.passes import evidence, fuse_pairs, fuse_rotation, fuse_standard_op, validation
 from rope_export.passes._fusing import STAGES, FusionReport
 from rope_export.passes._model import PassError, from_ir, infer_shapes, onnx_opset, remove_unused, to_ir

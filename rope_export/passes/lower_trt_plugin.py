@@ -26,7 +26,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from rope_export.contract import DOMAIN, OP_TYPE, OP_VERSION
+from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, read_site
 from rope_export.passes.targets import (
     LEGACY_PLUGIN_NAME,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from rope_export.contract import DOMAIN, OP_TYPE
+from rope_export.op.contract import DOMAIN, OP_TYPE
 from rope_export.passes import validation
 from rope_export.passes._lowering import LoweringLog, LowerRotary
 from rope_export.passes._model import (

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from rope_export.contract import RotaryAttrs
+from rope_export.op.contract import RotaryAttrs
+from rope_export.op.tolerances import tolerance
 from rope_export.passes._lowering import LoweringLog, SiteError, read_site
 from rope_export.passes._model import PassError
 from rope_export.passes._probe import Probe, ProbeError
 from rope_export.passes._values import FLOAT_TYPES, const_array, dim, dtype_name, dtype_of
-from rope_export.tolerances import tolerance
 
 SEED = 20261126
 BATCH, SEQ = 2, 5  # the small input, where the graph leaves the sizes open
@@ -40,7 +40,7 @@ MAX_CACHE_ELEMENTS = 1 << 26  # a constant cache larger than this is not read (n
 # cos² + sin² = m² within the caches' own rounding (as the fusion's verification allows)
 MAGNITUDE_RTOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
 REBUILD = ("re-export the file (rope-export export), or rebuild the caches from the model's RoPE parameters "
-           "(rope_export.rope_types)")
+           "(rope_export.op.rope_types)")
 
 
 @dataclass
@@ -275,7 +275,7 @@ def _trt_plugin_ops() -> list[type]:
     so a lost or wrong attribute shows."""
     from onnx.reference.op_run import OpRun
 
-    from rope_export.onnx_op import rotary_numpy
+    from rope_export.op.onnx_op import rotary_numpy
     from rope_export.passes.lower_trt_plugin import PLUGIN_OP_TYPES, TRT_PLUGIN_DOMAIN
 
     def _run(self, X, cos_cache, sin_cache, position_ids=None, interleaved=None, num_heads=None,
@@ -354,7 +354,7 @@ def _reference(x, cos, sin, pos, attrs: RotaryAttrs) -> np.ndarray:
     """The op contract in NumPy (``onnx_op.rotary_numpy``, written apart from every lowering and kernel
     and held equal to the PyTorch reference by tests/test_reference.py). NumPy rather than torch so
     that ``lower`` and ``fuse`` never import torch: it is most of their start-up."""
-    from rope_export.onnx_op import rotary_numpy
+    from rope_export.op.onnx_op import rotary_numpy
 
     return rotary_numpy(x, cos, sin, pos, interleaved=int(attrs.interleaved), num_heads=attrs.num_heads,
                         rotary_embedding_dim=attrs.rotary_embedding_dim)

@@ -20,7 +20,7 @@ GENAI_DESCRIPTION = (
 
 
 def _add_genai(packagers) -> None:
-    from rope_export.cli_options import add_output_arguments
+    from rope_export.cli.options import add_output_arguments
     from rope_export.serve.genai import TARGETS
 
     parser = packagers.add_parser("genai", help="an onnxruntime-genai folder (model.onnx, genai_config.json, "
@@ -71,8 +71,8 @@ def _run_genai(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from rope_export.common.steps import cli_steps
     from rope_export.serve.genai import package_genai
-    from rope_export.steps import cli_steps
 
     console = Console()
     with cli_steps(console, f"rope-export package genai: {args.output}", args.summary_json) as steps:

@@ -223,8 +223,8 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
     random weights, ``seed``). ``tokenizer``: the folder to copy tokenizer files and
     ``generation_config.json``'s defaults from (default: the ``hf`` folder).
     """
-    from rope_export import onnx_files
-    from rope_export.fileio import check_writable, commit_moves, staging_dir
+    from rope_export.files import onnx_files
+    from rope_export.files.fileio import check_writable, commit_moves, staging_dir
     from rope_export.passes import LoweringLog, lower
 
     say = progress or (lambda message: None)
@@ -291,7 +291,7 @@ def _file_config(ir_model, path):
     type's defaults, so the defaults are added back by transformers)."""
     from transformers import AutoConfig
 
-    from rope_export.export import METADATA_PREFIX
+    from rope_export.exporting.core import METADATA_PREFIX
 
     text = ir_model.metadata_props.get(METADATA_PREFIX + "hf_config")
     if not text:

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import onnx
 
-from rope_export.cli import CLIError
-from rope_export.fileio import check_writable, commit_moves, staging_dir
+from rope_export.common.errors import CLIError
+from rope_export.files.fileio import check_writable, commit_moves, staging_dir
 
 BACKENDS = ("tensorrt", "onnxruntime", "python")
 ORT_TARGETS = ("onnx", "ort")  # lowerings onnxruntime runs
@@ -194,7 +194,7 @@ def default_name(path: Path) -> str:
 
 
 def _check_plugin(plugin: Path) -> None:
-    from rope_export.plugin import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY
+    from rope_export.kernels.plugin import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY
 
     if not plugin.is_file():
         raise TritonPackageError(f"plugin library {plugin} not found; build it with `rope-export build-plugin "
@@ -271,7 +271,7 @@ def write_repository(onnx_path: str | os.PathLike, repo: str | os.PathLike, *, b
     say(f"config.pbtxt: {validated}")
     plugin_path = None
     if backend == "tensorrt":
-        from rope_export.trt import default_plugin_library
+        from rope_export.runtimes.trt import default_plugin_library
 
         plugin_path = Path(plugin) if plugin else default_plugin_library()
         if plugin:
@@ -322,8 +322,8 @@ def _stage_onnx(onnx_path: Path, target_path: Path, target: str, external: str, 
 def _stage_tensorrt(onnx_path: Path, proto: onnx.ModelProto, model_dir: Path, engine, plugin_path: Path, max_batch: int,
                     packaged: Packaged, say) -> list[str]:
     """1/model.plan (given, or built here where TensorRT can) and the plugin library beside config.pbtxt."""
-    from rope_export.trt import build_engine, tensorrt_unavailable_reason
-    from rope_export.trt_profiles import ProfileError, derive_profile
+    from rope_export.runtimes.trt import build_engine, tensorrt_unavailable_reason
+    from rope_export.runtimes.trt_profiles import ProfileError, derive_profile
 
     try:
         _, notes = derive_profile(proto, max_batch=max_batch)

@@ -15,10 +15,10 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from rope_export.contract import DOMAIN, OP_TYPE
-from rope_export.export import export
+from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.rope_types import RopeConfig, build_caches
 from rope_export.presets import load_preset
-from rope_export.rope_types import RopeConfig, build_caches
+from rope_export.presets.export import export
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
               max_position_embeddings=128, pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -97,7 +97,7 @@ class _LMWithPast(torch.nn.Module):
 def plain_and_fused() -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """A plain torch.onnx export of tiny Llama with a KV cache (the user's own, no rope_export metadata),
     and ``rope-export fuse`` of it."""
-    from rope_export.export import _quiet_exporter
+    from rope_export.exporting.torch_onnx import quiet_exporter
     from rope_export.hf import hf_io_names
     from rope_export.passes import fuse
 
@@ -107,7 +107,7 @@ def plain_and_fused() -> tuple[onnx.ModelProto, onnx.ModelProto]:
     past = [torch.randn(2, 2, 3, 8, generator=generator) for _ in range(2)]
     batch, seq, past_len = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
     inputs, outputs = hf_io_names(1)
-    with torch.no_grad(), _quiet_exporter(False):
+    with torch.no_grad(), quiet_exporter(False):
         plain = torch.onnx.export(_LMWithPast(hf_model("llama")), (ids, positions, *past), dynamo=True,
                                   opset_version=18, input_names=inputs, output_names=outputs,
                                   dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq},

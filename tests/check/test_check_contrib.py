@@ -136,7 +136,7 @@ def _gemma_config():
 @functools.cache
 def _no_positions_file(shift: int = 0) -> onnx.ModelProto:
     from rope_export import hf
-    from rope_export.export import _quiet_exporter
+    from rope_export.exporting.torch_onnx import quiet_exporter
 
     model = hf.build_hf_model(_gemma_config(), seed=0)
     generator = torch.Generator().manual_seed(0)
@@ -145,7 +145,7 @@ def _no_positions_file(shift: int = 0) -> onnx.ModelProto:
     mask = torch.ones(2, 7, dtype=torch.int64)
     batch, seq, past_len, total = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
     names = ["input_ids", "attention_mask", "past_key_values.0.key", "past_key_values.0.value"]
-    with torch.no_grad(), _quiet_exporter(False):
+    with torch.no_grad(), quiet_exporter(False):
         return torch.onnx.export(_NoPositions(model, shift), (ids, mask, *past), dynamo=True, opset_version=18,
                                  input_names=names, output_names=["logits", "present.0.key", "present.0.value"],
                                  dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: total},

@@ -18,7 +18,7 @@ from onnx import numpy_helper
 from user_blocks import MAX_POS, RotateHalfBlock, example, sliced_table_file, static_one_node_file, swap_weights
 
 from rope_export.check import check
-from rope_export.contract import DOMAIN
+from rope_export.op.contract import DOMAIN
 
 RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu")
 

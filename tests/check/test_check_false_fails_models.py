@@ -102,7 +102,7 @@ def gptj_plain() -> tuple[object, onnx.ModelProto]:
     from check_files import _LMWithPast
 
     from rope_export import hf
-    from rope_export.export import _quiet_exporter
+    from rope_export.exporting.torch_onnx import quiet_exporter
     from rope_export.hf import hf_io_names
 
     config = tf.GPTJConfig(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=256, rotary_dim=4,
@@ -113,7 +113,7 @@ def gptj_plain() -> tuple[object, onnx.ModelProto]:
     past = [torch.randn(2, 4, 3, 8, generator=generator) for _ in range(2)]
     batch, seq, past_len = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
     inputs, outputs = hf_io_names(1)
-    with torch.no_grad(), _quiet_exporter(False):
+    with torch.no_grad(), quiet_exporter(False):
         plain = torch.onnx.export(_LMWithPast(model), (ids, positions.contiguous(), *past), dynamo=True,
                                   opset_version=18, input_names=inputs, output_names=outputs,
                                   dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch, 2: past_len},

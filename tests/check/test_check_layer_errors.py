@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 from rope_export import cli  # noqa: E402
 from rope_export.check import check  # noqa: E402
 from rope_export.check.layer_errors import _layer_of, layer_outputs  # noqa: E402
-from rope_export.contract import DOMAIN, OP_TYPE  # noqa: E402
-from rope_export.tolerances import PYTORCH_FACTOR  # noqa: E402
+from rope_export.op.contract import DOMAIN, OP_TYPE  # noqa: E402
+from rope_export.op.tolerances import PYTORCH_FACTOR  # noqa: E402
 
 LAYERS = 3
 SMALL = dict(runners=("onnxruntime-cpu",), sweep=False, batch=1, seq=4, past=2, long_seq=8)

@@ -9,7 +9,7 @@ import pytest
 from rope_export.check.cache_rows import SweepResult
 from rope_export.check.compare import limit_ratio, token_limit_ratios
 from rope_export.check.report import CheckReport, RunnerReport, error_plot_panels, plot_error_vs_position
-from rope_export.tolerances import tolerance
+from rope_export.op.tolerances import tolerance
 
 OP = tolerance("op", "float32")  # atol 1e-5, rtol 1e-5
 

@@ -13,7 +13,7 @@ from onnx import numpy_helper
 
 from rope_export import cli
 from rope_export.check import CheckError, check, position_buckets, write_reports
-from rope_export.contract import DOMAIN
+from rope_export.op.contract import DOMAIN
 from rope_export.passes import lower
 
 RUNNERS = ("onnx-reference", "cpu-twin", "onnxruntime-cpu")

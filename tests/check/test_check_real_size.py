@@ -105,7 +105,7 @@ def test_onnxruntime_cpu_runs_in_pieces_rather_than_exceed_the_memory_limit():
 
 
 def test_a_whole_model_is_held_to_one_blocks_tolerance_per_layer_in_quadrature():
-    from rope_export.tolerances import for_layers, tolerance
+    from rope_export.op.tolerances import for_layers, tolerance
 
     block = tolerance("block", "float16")
     assert for_layers(block, 16).atol == pytest.approx(4 * block.atol) and for_layers(block, 1) == block

@@ -9,7 +9,7 @@ import pytest
 
 from rope_export.check import CheckReport, RunnerReport, write_reports
 from rope_export.check.cache_rows import SweepResult
-from rope_export.tolerances import tolerance
+from rope_export.op.tolerances import tolerance
 
 
 def long_context_report(independent: bool) -> CheckReport:

@@ -20,8 +20,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from rope_export.contract import DOMAIN, OP_TYPE
-from rope_export.rope_types import RopeConfig, build_caches
+from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.rope_types import RopeConfig, build_caches
 
 MAX_POS, H, D = 512, 2, 16
 

@@ -16,10 +16,10 @@ import onnx
 import pytest
 import torch
 
-from rope_export.contract import DOMAIN, OP_TYPE
 from rope_export.detect.forms import FORMS, WRITTEN_FORMS, probe, replacement_call
-from rope_export.export import custom_translation_table
-from rope_export.tolerances import tolerance
+from rope_export.exporting.core import custom_translation_table
+from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.tolerances import tolerance
 
 pytest.importorskip("transformers")
 
@@ -135,7 +135,7 @@ def test_replacement_exports_one_node_per_tensor_and_matches(form_name):
     assert len(nodes) == result.form.tensors_per_call
     from onnx.reference import ReferenceEvaluator
 
-    from rope_export.onnx_op import RotaryEmbedding
+    from rope_export.op.onnx_op import RotaryEmbedding
 
     names = [i.name for i in onnx_model.graph.input]
     got = ReferenceEvaluator(onnx_model, new_ops=[RotaryEmbedding]).run(

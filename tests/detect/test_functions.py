@@ -13,15 +13,15 @@ import pytest
 import torch
 from torch import nn
 
-from rope_export.contract import DOMAIN, OP_TYPE
 from rope_export.detect import count_rotations
 from rope_export.detect.functions import (
     find_rotary_functions,
     recorded_calls,
     rotary_functions_hooked,
 )
-from rope_export.export import custom_translation_table
-from rope_export.tolerances import tolerance
+from rope_export.exporting.core import custom_translation_table
+from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.tolerances import tolerance
 
 THIS_MODULE = sys.modules[__name__]
 TOL = tolerance("op", "float32")

@@ -126,8 +126,8 @@ def test_a_rope_module_shared_by_layers_is_attributed_to_each_calling_layer():
 
 
 def test_rope_exports_own_op_and_its_decomposed_mode_count_the_same():
-    from rope_export.export import example_inputs
     from rope_export.presets import load_preset
+    from rope_export.presets.export import example_inputs
 
     preset = load_preset("phi-2").scaled_down()
     block = preset.build_block(cache_len=64)

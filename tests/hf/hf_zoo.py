@@ -20,8 +20,8 @@ from hf_zoo_configs import VOCAB, tiny_config
 
 from rope_export import hf
 from rope_export.detect import count_rotations
-from rope_export.export import count_rotary_nodes
-from rope_export.tolerances import tolerance
+from rope_export.exporting.core import count_rotary_nodes
+from rope_export.op.tolerances import tolerance
 
 TOL = tolerance("block", "float32")
 PREFILL, BATCH = 6, 2
@@ -54,7 +54,7 @@ def runner(model: onnx.ModelProto):
     except Exception:  # noqa: BLE001 - an op onnxruntime lacks: fall back to the reference evaluator
         from onnx.reference import ReferenceEvaluator
 
-        from rope_export.onnx_op import RotaryEmbedding
+        from rope_export.op.onnx_op import RotaryEmbedding
 
         evaluator = ReferenceEvaluator(model, new_ops=[RotaryEmbedding])
         names = [i.name for i in model.graph.input]

@@ -14,8 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from rope_export import cli, hf  # noqa: E402
+from rope_export.op.tolerances import tolerance  # noqa: E402
 from rope_export.passes import lower  # noqa: E402
-from rope_export.tolerances import tolerance  # noqa: E402
 
 TOL = tolerance("block", "float32")
 

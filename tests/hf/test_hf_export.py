@@ -25,11 +25,11 @@ transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from rope_export import cli, hf  # noqa: E402
-from rope_export import export as export_module  # noqa: E402
-from rope_export.contract import DOMAIN, OP_TYPE  # noqa: E402
-from rope_export.onnx_op import RotaryEmbedding  # noqa: E402
-from rope_export.rope_types import build_caches  # noqa: E402
-from rope_export.tolerances import tolerance  # noqa: E402
+from rope_export.op.contract import DOMAIN, OP_TYPE  # noqa: E402
+from rope_export.op.onnx_op import RotaryEmbedding  # noqa: E402
+from rope_export.op.rope_types import build_caches  # noqa: E402
+from rope_export.op.tolerances import tolerance  # noqa: E402
+from rope_export.presets import export as export_module  # noqa: E402
 
 TOL = tolerance("block", "float32")
 LAYERS = 2

@@ -18,9 +18,10 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from rope_export import checkpoints, cli, hf  # noqa: E402
+from rope_export import cli, hf  # noqa: E402
+from rope_export.exporting import checkpoints  # noqa: E402
 from rope_export.hf.loading import weights_beside  # noqa: E402
-from rope_export.tolerances import tolerance  # noqa: E402
+from rope_export.op.tolerances import tolerance  # noqa: E402
 
 AUTO = transformers.AutoModelForCausalLM
 TOL = tolerance("block", "float32")

@@ -2,7 +2,7 @@
 
 Runners: onnxruntime CPU (``run_ort``) and onnx.reference (``run_reference``, which also knows the
 rope_export node, the ``trt-plugin`` node and ``com.microsoft`` RotaryEmbedding through the OpRun
-classes below). References: ``rope_export.reference`` (PyTorch) for the custom op's contract.
+classes below). References: ``rope_export.op.reference`` (PyTorch) for the custom op's contract.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
-from rope_export.contract import DOMAIN, RotaryAttrs
-from rope_export.onnx_op import RotaryEmbedding as RopeOpRun
-from rope_export.onnx_op import make_rotary_node, rotary_numpy
+from rope_export.op.contract import DOMAIN, RotaryAttrs
+from rope_export.op.onnx_op import RotaryEmbedding as RopeOpRun
+from rope_export.op.onnx_op import make_rotary_node, rotary_numpy
+from rope_export.op.reference import rotary_embedding
 from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, TRT_PLUGIN_DOMAIN
-from rope_export.reference import rotary_embedding
-from rope_export.runners import to_numpy, to_torch
+from rope_export.runtimes.runners import to_numpy, to_torch
 
 NP_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -105,7 +105,7 @@ def run_ort(model, feeds: dict) -> list[np.ndarray]:
 
 
 def reference_output(x, cos, sin, pos, attrs: RotaryAttrs) -> np.ndarray:
-    """rope_export.reference (PyTorch) on NumPy inputs; returns X's NumPy dtype."""
+    """rope_export.op.reference (PyTorch) on NumPy inputs; returns X's NumPy dtype."""
     def t(a):
         return None if a is None else to_torch(a)
 

@@ -8,8 +8,8 @@ from passes_util import rotary_case, run_ort
 from test_passes_fuse_rules import Rope, torchscript
 
 from rope_export import cli
-from rope_export.contract import DOMAIN
-from rope_export.tolerances import tolerance
+from rope_export.op.contract import DOMAIN
+from rope_export.op.tolerances import tolerance
 
 
 @pytest.fixture

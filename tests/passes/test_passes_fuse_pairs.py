@@ -12,7 +12,7 @@ import pytest
 import rope_blocks as rb
 import torch
 
-from rope_export.contract import DOMAIN, OP_TYPE
+from rope_export.op.contract import DOMAIN, OP_TYPE
 from rope_export.passes import FusionReport, fuse, lower
 
 

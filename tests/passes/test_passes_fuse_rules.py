@@ -12,9 +12,9 @@ import pytest
 import torch
 from passes_util import as_f32, run_ort, run_reference
 
-from rope_export.contract import DOMAIN, OP_TYPE
+from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import FusionReport, fuse, lower
-from rope_export.tolerances import tolerance
 
 B, H, S, D, P = 2, 3, 5, 8, 16
 
@@ -180,11 +180,12 @@ def test_adopting_the_standard_op_round_trips_a_lowering():
     ("phi-2", "fp16", "rotate-half (partial, 32 of 80), float32 math"),  # computed in float32 under fp16
 ])
 def test_rope_exports_own_decomposed_files(preset_name, dtype, form):
-    """rope_export.export.decomposed_export: the same block with RoPE as plain torch ops."""
+    """rope_export.presets.export.decomposed_export: the same block with RoPE as plain torch ops."""
     from exported import feeds as block_feeds
 
-    from rope_export.export import DTYPES, decomposed_export, example_inputs
+    from rope_export.exporting.core import DTYPES
     from rope_export.presets import load_preset
+    from rope_export.presets.export import decomposed_export, example_inputs
 
     preset = load_preset(preset_name).scaled_down()
     original = decomposed_export(preset, dtype=dtype, cache_len=64)

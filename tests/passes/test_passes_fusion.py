@@ -14,9 +14,9 @@ import pytest
 from hf_models import EXPECTED, EXPORTERS, FAMILIES, example, exported, exported_causal_lm
 from passes_util import as_f32, run_ort, run_reference
 
-from rope_export.contract import DOMAIN, OP_TYPE
+from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import FusionReport, PassError, fuse, lower
-from rope_export.tolerances import tolerance
 
 pytest.importorskip("transformers")
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from passes_util import as_f32, rotary_case, run_ort, run_reference
 
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import lower
-from rope_export.tolerances import tolerance
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

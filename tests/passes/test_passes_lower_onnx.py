@@ -8,9 +8,9 @@ import pytest
 from onnx import helper, numpy_helper
 from passes_util import ops_of, rotary_case, run_ort, run_reference
 
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import LoweringLog, PassError, lower
 from rope_export.passes._model import bump_onnx_opset
-from rope_export.tolerances import tolerance
 
 
 def _opset(model) -> int:

@@ -8,8 +8,8 @@ import pytest
 from onnx import helper
 from passes_util import NP_TYPES, ONNX_TYPES, MsRotary, rotary_case, run_ort, run_reference
 
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import LoweringLog, PassError, lower
-from rope_export.tolerances import tolerance
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

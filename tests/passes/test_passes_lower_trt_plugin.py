@@ -11,6 +11,7 @@ import pytest
 from onnx import helper
 from passes_util import rotary_case, run_reference
 
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import LoweringLog, lower
 from rope_export.passes.lower_trt_plugin import (
     LEGACY_PLUGIN_NAME,
@@ -19,8 +20,7 @@ from rope_export.passes.lower_trt_plugin import (
     PLUGIN_VERSION,
     TRT_PLUGIN_DOMAIN,
 )
-from rope_export.runners import CpuTwinRunner, is_rotary_node
-from rope_export.tolerances import tolerance
+from rope_export.runtimes.runners import CpuTwinRunner, is_rotary_node
 
 CORE_HEADER = Path(__file__).resolve().parents[2] / "plugins" / "core" / "rope_core.h"
 

@@ -1,5 +1,5 @@
 """Every target x layout x partial/interleaved x dtypes x with/without position_ids: the lowered
-file computes the op contract (rope_export.reference), out-of-range positions included."""
+file computes the op contract (rope_export.op.reference), out-of-range positions included."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import onnx
 import pytest
 from passes_util import as_f32, ops_of, reference_output, rotary_case, run_ort, run_reference
 
-from rope_export.contract import DOMAIN, RotaryAttrs
+from rope_export.op.contract import DOMAIN, RotaryAttrs
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import TARGETS, LoweringLog, PassError, lower
-from rope_export.tolerances import tolerance
 
 DTYPE_PAIRS = [  # (X, caches)
     ("float32", "float32"),

@@ -1,6 +1,6 @@
 """Every preset x dtype x target: the lowered exported block matches the PyTorch block.
 
-Files come from rope_export.export (shared, cached: tests/exported.py); onnxruntime CPU runs the
+Files come from rope_export.presets.export (shared, cached: tests/exported.py); onnxruntime CPU runs the
 fp32/fp16 files, onnx.reference the bfloat16 ones and the trt-plugin ones (no TensorRT here).
 A second set builds one-node graphs from each preset's own caches, independent of the exporter.
 """
@@ -14,12 +14,13 @@ from exported import CACHE_LEN, exported_model, feeds, test_block
 from onnx import TensorProto, helper, numpy_helper
 from passes_util import NP_TYPES, TORCH_TYPES, as_f32, run_ort, run_reference
 
-from rope_export.contract import DOMAIN, RotaryAttrs
-from rope_export.export import DTYPES, example_inputs
-from rope_export.onnx_op import make_rotary_node
+from rope_export.exporting.core import DTYPES
+from rope_export.op.contract import DOMAIN, RotaryAttrs
+from rope_export.op.onnx_op import make_rotary_node
+from rope_export.op.tolerances import tolerance
 from rope_export.passes import TARGETS, lower
 from rope_export.presets import load_preset, preset_names
-from rope_export.tolerances import tolerance
+from rope_export.presets.export import example_inputs
 
 NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 

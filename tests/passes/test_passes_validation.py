@@ -19,7 +19,7 @@ from exported import exported_model
 from onnx import numpy_helper
 
 from rope_export import cli
-from rope_export.contract import DOMAIN
+from rope_export.op.contract import DOMAIN
 from rope_export.passes import PassError, lower, validation
 from rope_export.passes._model import to_ir
 
@@ -36,8 +36,8 @@ def main(monkeypatch):
 
 @functools.cache
 def _tiny(rows: int = 128) -> onnx.ModelProto:
-    from rope_export.export import export
     from rope_export.presets import load_preset
+    from rope_export.presets.export import export
 
     return export(load_preset("tiny").scaled_down(), dtype="fp32", decode=True, cache_len=rows).model
 

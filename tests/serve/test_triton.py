@@ -160,7 +160,7 @@ def test_tensorrt_backend_places_engine_and_plugin_and_says_the_server_flag(tiny
 
 def test_tensorrt_backend_without_tensorrt_says_what_is_missing(tiny_file, tmp_path, monkeypatch):
     monkeypatch.setenv("ROPE_EXPORT_PLUGIN_DIR", str(tmp_path / "no-plugins"))
-    monkeypatch.setattr("rope_export.trt.tensorrt_unavailable_reason", lambda: "TensorRT is not installed")
+    monkeypatch.setattr("rope_export.runtimes.trt.tensorrt_unavailable_reason", lambda: "TensorRT is not installed")
     packaged = triton.write_repository(tiny_file, tmp_path / "repo", backend="tensorrt", max_batch=2)
     assert not (packaged.folder / "1" / "model.plan").exists()
     readme = (packaged.folder / "README.md").read_text()
@@ -181,8 +181,8 @@ def test_with_tensorrt_the_engine_is_built_from_the_trt_plugin_lowering(tiny_fil
         calls.append(([n.op_type for n in model.graph.node if n.op_type == PLUGIN_NAME], plugins, max_batch))
         Path(out_path).write_bytes(b"built")
 
-    monkeypatch.setattr("rope_export.trt.tensorrt_unavailable_reason", lambda: None)
-    monkeypatch.setattr("rope_export.trt.build_engine", build_engine)
+    monkeypatch.setattr("rope_export.runtimes.trt.tensorrt_unavailable_reason", lambda: None)
+    monkeypatch.setattr("rope_export.runtimes.trt.build_engine", build_engine)
     plugin = elf(tmp_path / "librope_export_trt_plugin.so")
     folder = triton.write_repository(tiny_file, tmp_path / "repo", backend="tensorrt", plugin=plugin,
                                      max_batch=3).folder
@@ -307,7 +307,7 @@ def test_served_by_tritonserver_matches_transformers(tmp_path):
     import transformers
 
     from rope_export import hf
-    from rope_export.demo import TINY_LLAMA
+    from rope_export.cli.demo import TINY_LLAMA
 
     folder = tmp_path / "llama"
     config = transformers.AutoConfig.for_model(**TINY_LLAMA)

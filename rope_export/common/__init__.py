@@ -1,0 +1,2 @@
+"""What every layer uses: bounds on user input, progress steps, tables, plots, errors the CLI prints as one line,
+and lazy package attributes."""

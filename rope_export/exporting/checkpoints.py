@@ -1,0 +1,483 @@
+"""Build transformers models with their weights in memory once, in the requested dtype.
+
+``build_causal_lm(auto_class, config, dtype, weights=DIR or None, seed=...)``:
+
+* The model is constructed with its parameters on the meta device (no memory; buffers such as
+  the rotary ``inv_freq`` are computed for real), then every parameter is allocated once, in
+  ``dtype``, with tied parameters kept tied. ``from_config`` instead allocates an untied
+  ``lm_head`` that tying then drops: half a gigabyte of transient memory for a 1B Llama.
+* Random weights (no ``weights``): transformers' own ``init_weights`` under ``seed``.
+* A checkpoint folder as ``save_pretrained`` writes it (``model.safetensors``, or shards listed in
+  ``model.safetensors.index.json``) is read tensor by tensor straight into the parameters: a
+  tensor stored in ``dtype`` is read into the parameter's memory, another dtype (bf16 weights
+  exported as fp16, or fp32 ones) is converted in chunks of ``CHUNK_BYTES``. Nothing goes through
+  float32, no tensor exists twice, and plain reads (not a memory map) keep the page cache out of
+  the process's RSS. PyTorch ``pytorch_model.bin`` files (sharded or not) are memory-mapped one
+  file at a time and copied into the parameters (the mapped pages are the file's, dropped after it).
+  A checkpoint whose names or shapes do not match the model one to one (renamed keys, fused
+  experts, quantized weights) is loaded by transformers' ``from_pretrained`` instead, and
+  ``LoadReport.loader`` says so; what even transformers cannot place (tensors missing, unexpected
+  or of other shapes: the checkpoint of another model) is a ``CheckpointMismatchError`` naming
+  them, never a model with freshly initialized weights. That is decided from the headers' names and
+  shapes (``rope_export.exporting.checkpoint_fit``, transformers' own renaming rules) before any tensor data is
+  read; so is a tensor whose bytes lie past the end of its file.
+
+transformers is imported by the caller (``rope_export.hf``) or lazily (``checkpoint_fit``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rope_export.common.bounds import check_allocation, format_bytes
+from rope_export.common.steps import detail
+from rope_export.exporting.checkpoint_fit import predicted_loading_info
+
+CHUNK_BYTES = 64 * 2**20  # conversion buffer for a tensor stored in another dtype
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+BIN_FILE = "pytorch_model.bin"
+# what save_pretrained writes, in transformers' order of preference (safetensors first)
+CHECKPOINT_FILES = (INDEX_FILE, SINGLE_FILE, BIN_INDEX_FILE, BIN_FILE)
+# weights in a form rope-export does not read (a folder holding only these is not "config only")
+OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+NAMED = 3  # tensors named per kind in a mismatch message
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read; the message names the file and the fix."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint that does not fit the config (tensors missing, unexpected or of other shapes)."""
+
+
+@dataclass
+class LoadReport:
+    """How the weights came in: ``loader`` is "random", "safetensors" or "pytorch" (ours), or "transformers"."""
+
+    loader: str
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes_read: int = 0
+    converted: dict[str, int] = field(default_factory=dict)  # "bf16->fp16": tensors converted
+    reason: str = ""  # why transformers' loader was used
+
+
+# -- construction without the weights ----------------------------------------------------
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside the block, every parameter a module registers is moved to the meta device (buffers stay real)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param) -> None:
+        original(module, name, param)
+        param = module._parameters.get(name)
+        if param is not None and param.device.type != "meta":
+            kwargs = dict(param.__dict__)
+            kwargs["requires_grad"] = param.requires_grad
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype inside the block (transformers builds and initializes under it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else old)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def materialize(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Allocate every meta parameter on the CPU (uninitialized), tied ones once; returns bytes allocated.
+
+    ``dtype``: for floating-point parameters (others keep theirs)."""
+    made: dict[int, nn.Parameter] = {}
+    total = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            if id(param) not in made:
+                kind = dtype if dtype is not None and param.dtype.is_floating_point else param.dtype
+                made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=kind), requires_grad=param.requires_grad)
+                total += made[id(param)].nbytes
+            module._parameters[name] = made[id(param)]
+    return total
+
+
+def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os.PathLike | None = None,
+                    seed: int = 0, options: dict | None = None,
+                    progress: Callable[[str], None] | None = None) -> tuple[nn.Module, LoadReport]:
+    """``auto_class``'s model of ``config`` in ``dtype``: random (``seed``) or from the folder ``weights``.
+
+    ``options``: keyword arguments of ``from_config``/``from_pretrained`` (default: eager attention)."""
+    options = {"attn_implementation": "eager", **(options or {}), "dtype": dtype}
+    if weights is not None:
+        plan = _checkpoint_plan(Path(weights))
+    # Sized first with everything on the meta device: a module may allocate a parameter on the CPU before
+    # registering it (nn.Embedding does), so a vocab_size of 1e10 must be refused before the build below.
+    with torch.device("meta"):
+        sizing = auto_class.from_config(config, **options)
+    check_allocation(f"the {config.model_type} model",
+                     {"parameters and buffers": sum(t.numel() * t.element_size()
+                                                    for t in (*sizing.parameters(), *sizing.buffers()))},
+                     "check the config's sizes (vocab_size, hidden_size, num_hidden_layers, ...)")
+    del sizing
+    with parameters_on_meta():
+        model = auto_class.from_config(config, **options)
+    if weights is None:
+        allocated = materialize(model, dtype)
+        detail(progress, f"initializing {format_bytes(allocated)} of random weights")
+        for part in (*model.modules(), *model.parameters()):  # from_config marked them done while on meta
+            part.__dict__.pop("_is_hf_initialized", None)
+        torch.manual_seed(seed)
+        with default_dtype(dtype):  # as from_config: buffers such as GPT-J's sin/cos table come out the same
+            model.init_weights()  # transformers' own initialization; also recomputes rotary buffers, re-ties
+        return model.eval(), LoadReport("random")
+    plan = _without_ignored(model, plan)
+    mismatch = _mismatch(model, plan)
+    if mismatch:
+        # names and shapes decide before any tensor data is read: another model's checkpoint is refused now,
+        # not after from_pretrained has loaded all of it
+        predicted = predicted_loading_info(model, {name: entry.shape for name, entry in plan.items()})
+        misfit = describe_misfit(predicted or {})
+        del model
+        if misfit:
+            raise _misfit_error(Path(weights), misfit)
+        _check_extents(plan)
+        detail(progress, f"loading with transformers' from_pretrained ({mismatch})")
+        model = _from_pretrained(auto_class, Path(weights), config, options)
+        return model.eval(), LoadReport("transformers", reason=mismatch)
+    _check_extents(plan)
+    materialize(model, dtype)
+    report = load_checkpoint(model, plan, progress)
+    return model.eval(), report
+
+
+def _from_pretrained(auto_class, folder: Path, config, options: dict) -> nn.Module:
+    """transformers' loader, for a checkpoint ours cannot read name by name (renamed or fused keys): it
+    knows the renames; what even it cannot place is refused, never initialized at random."""
+    with _quiet_transformers():
+        try:
+            model, info = auto_class.from_pretrained(str(folder), config=config, local_files_only=True,
+                                                     output_loading_info=True, ignore_mismatched_sizes=True, **options)
+        except (RuntimeError, OSError) as exc:  # its conversion errors and unreadable files
+            raise CheckpointError(f"checkpoint {folder}: transformers cannot load it: {_first_line(exc)}") from None
+    misfit = describe_misfit(info)
+    if misfit:
+        raise _misfit_error(folder, misfit)
+    return model
+
+
+def _misfit_error(folder: Path, misfit: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(f"checkpoint {folder} does not fit the config: {misfit}; is it this model's "
+                                   "checkpoint?")
+
+
+def describe_misfit(info: dict) -> str:
+    """from_pretrained's loading info as one clause ("" when every tensor found its place)."""
+
+    def names(keys: list[str]) -> str:
+        return ", ".join(keys[:NAMED]) + (", ..." if len(keys) > NAMED else "")
+
+    parts = []
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(info.get("mismatched_keys") or ())  # (name, checkpoint shape, model shape)
+    if missing:
+        parts.append(f"{len(missing)} tensor(s) missing ({names(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected ({names(unexpected)})")
+    if mismatched:
+        shapes = "; ".join(f"{name} is {list(ckpt)} in the checkpoint, {list(want)} in the model"
+                           for name, ckpt, want in mismatched[:NAMED])
+        parts.append(f"{len(mismatched)} of other shapes ({shapes}{', ...' if len(mismatched) > NAMED else ''})")
+    return ", ".join(parts)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No load report (a table of every tensor) and no progress bar from from_pretrained: a checkpoint that
+    does not fit becomes one line of ours."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    # tensor_parallel too: transformers 5.24 checks its TP plan (and warns) when modeling_utils' level is >= WARNING
+    loggers = [logging.getLogger(f"transformers.{name}") for name in ("modeling_utils", "distributed.tensor_parallel")]
+    levels, bars = [logger.level for logger in loggers], hf_logging.is_progress_bar_enabled()
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+# -- safetensors --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset in the file
+    length: int
+    file_size: int = -1  # of a .safetensors file: its data must lie inside (checked before reading, after the fit)
+
+
+def read_header(path: Path) -> dict[str, _Entry]:
+    """The tensors of one .safetensors file: name -> dtype, shape and byte range (nothing else is read)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 * 2**20:
+                raise ValueError(f"header of {size:,} bytes")
+            header = json.loads(f.read(size))
+        file_size = path.stat().st_size
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-save it with save_pretrained") \
+            from None
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info.get("dtype") not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which rope-export cannot "
+                                  f"read; supported: {', '.join(SAFETENSORS_DTYPES)}")
+        begin, end = info["data_offsets"]
+        entries[name] = _Entry(path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + begin,
+                               end - begin, file_size)
+    return entries
+
+
+def _check_extents(plan: dict[str, _Entry]) -> None:
+    """Refuse a .safetensors tensor whose bytes are not all in its file (truncated or corrupt), before reading any."""
+    for name, entry in plan.items():
+        if entry.file_size < 0:
+            continue
+        expected = entry.dtype.itemsize * _numel(entry.shape)
+        if entry.length != expected or entry.start + entry.length > entry.file_size:
+            raise CheckpointError(f"{entry.file}: tensor {name!r} claims {entry.length:,} bytes at {entry.start:,} but "
+                                  f"needs {expected:,} in a {entry.file_size:,}-byte file; the file is truncated or "
+                                  "corrupt")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoint save_pretrained wrote in ``folder`` (every shard its index lists); [] if it holds none."""
+    folder = Path(folder)
+    for name in CHECKPOINT_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".json"):
+            return [path]
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{path}: not a checkpoint index ({exc}); re-save with save_pretrained") from None
+        for shard in files:
+            if not (folder / shard).is_file():
+                raise CheckpointError(f"{path} lists {shard}, which is missing from {folder}")
+        return [folder / shard for shard in files]
+    return []
+
+
+def other_weight_files(folder: str | os.PathLike) -> list[str]:
+    """Files of ``folder`` that look like weights in a form rope-export does not read (shards without their
+    index, consolidated.00.pth, model.gguf, ...)."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(OTHER_WEIGHT_SUFFIXES))
+
+
+def _checkpoint_plan(folder: Path) -> dict[str, _Entry]:
+    """Every tensor of the checkpoint folder (safetensors or PyTorch .bin, sharded or not), by name."""
+    if not folder.is_dir():
+        raise CheckpointError(f"--weights {folder}: not a folder (give the folder save_pretrained wrote)")
+    files = checkpoint_files(folder)
+    if not files:
+        found = sorted(p.name for p in folder.iterdir())[:8]
+        raise CheckpointError(f"{folder} has none of {', '.join(CHECKPOINT_FILES)} (found: "
+                              f"{', '.join(found) or 'nothing'}); save the model with save_pretrained")
+    plan: dict[str, _Entry] = {}
+    for path in files:
+        plan.update(read_header(path) if path.suffix == ".safetensors" else read_bin_header(path))
+    return plan
+
+
+def _open_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch checkpoint's tensors, memory-mapped (nothing is read until a tensor is used)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - zip, pickle and mmap errors all mean the file is not one we can map
+        raise CheckpointError(f"{path}: not a PyTorch checkpoint rope-export can read ({_first_line(exc)}); "
+                              "re-save it with save_pretrained") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CheckpointError(f"{path}: not a state dict of tensors; re-save it with save_pretrained")
+    return state
+
+
+def read_bin_header(path: Path) -> dict[str, _Entry]:
+    """The tensors of one PyTorch .bin file (memory-mapped to list them; the data is read when loading)."""
+    return {name: _Entry(path, t.dtype, tuple(t.shape), -1, t.nbytes) for name, t in _open_bin(path).items()}
+
+
+def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (tied ones under each name) and persistent buffers, by state-dict name."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                targets[f"{module_name}.{name}" if module_name else name] = buffer
+    return targets
+
+
+def _without_ignored(model: nn.Module, plan: dict[str, _Entry]) -> dict[str, _Entry]:
+    """The plan without the tensors transformers drops on loading: non-persistent buffers that old checkpoints
+    stored (the rotary ``inv_freq``) and names matching the class's ``_keys_to_ignore_on_load_unexpected``."""
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    volatile = {f"{m}.{b}" if m else b for m, module in model.named_modules(remove_duplicate=False)
+                for b in module._non_persistent_buffers_set}
+    return {name: entry for name, entry in plan.items()
+            if name not in volatile and not any(p.search(name) for p in patterns)}
+
+
+def _mismatch(model: nn.Module, plan: dict[str, _Entry]) -> str:
+    """Why the checkpoint cannot be read name by name into this model ("" if it can)."""
+    targets = _targets(model)
+    unknown = sorted(set(plan) - set(targets))
+    if unknown:
+        return f"{len(unknown)} checkpoint tensor(s) the model does not have by that name, e.g. {unknown[0]!r}"
+    for name, entry in plan.items():
+        if tuple(targets[name].shape) != entry.shape:
+            return f"{name!r} is {list(entry.shape)} in the checkpoint, {list(targets[name].shape)} in the model"
+    loaded = {id(targets[name]) for name in plan}
+    missing = sorted(name for name, t in model.named_parameters(remove_duplicate=False) if id(t) not in loaded)
+    if missing:
+        return f"{len(missing)} parameter(s) missing from the checkpoint, e.g. {missing[0]!r}"
+    return ""
+
+
+def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLike,
+                    progress: Callable[[str], None] | None = None) -> LoadReport:
+    """Read the checkpoint's tensors into ``model``'s allocated parameters and buffers, in their dtypes."""
+    if not isinstance(plan, dict):
+        plan = _checkpoint_plan(Path(plan))
+    _check_extents(plan)
+    targets = _targets(model)
+    pytorch = any(e.start < 0 for e in plan.values())
+    report = LoadReport("pytorch" if pytorch else "safetensors", files=sorted({str(e.file) for e in plan.values()}))
+    total = sum(e.length for e in plan.values())
+    buffer = bytearray()
+    by_file: dict[Path, list[tuple[str, _Entry]]] = {}
+    for name, entry in plan.items():
+        by_file.setdefault(entry.file, []).append((name, entry))
+    for path, entries in by_file.items():
+        # a .bin is mapped one file at a time: its pages are the file's, unmapped once it is copied
+        mapped = _open_bin(path) if entries[0][1].start < 0 else None
+        with open(path, "rb", buffering=0) if mapped is None else contextlib.nullcontext() as f:
+            for name, entry in sorted(entries, key=lambda item: item[1].start):
+                target = targets[name]
+                with torch.no_grad():
+                    if mapped is not None:
+                        target.copy_(mapped[name])  # converted elementwise into the parameter, no temporary
+                    elif target.dtype == entry.dtype:
+                        _read_into(f, entry.start, _bytes_of(target), path)
+                    else:
+                        buffer = _read_converted(f, entry, target, buffer, path)
+                    if target.dtype != entry.dtype:
+                        key = f"{_short(entry.dtype)}->{_short(target.dtype)}"
+                        report.converted[key] = report.converted.get(key, 0) + 1
+                report.tensors += 1
+                report.bytes_read += entry.length
+                detail(progress, f"loading weights: {report.tensors} of {len(plan)} tensors, "
+                                 f"{format_bytes(report.bytes_read)} of {format_bytes(total)}")
+        del mapped
+    return report
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).split(".")[-1])
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor's memory."""
+    if not tensor.is_contiguous():
+        raise CheckpointError("internal: a parameter is not contiguous")
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_into(f, offset: int, view: memoryview, path: Path) -> None:
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise CheckpointError(f"{path} ended early (read {done:,} of {len(view):,} bytes of a tensor); "
+                                  "the file is truncated")
+        done += n
+
+
+def _read_converted(f, entry: _Entry, target: torch.Tensor, buffer: bytearray, path: Path) -> bytearray:
+    """Read ``entry`` in chunks and convert each into ``target``'s dtype; returns the (reused) buffer."""
+    item = entry.dtype.itemsize
+    per_chunk = max(1, CHUNK_BYTES // item)
+    if len(buffer) < min(entry.length, per_chunk * item):
+        buffer = bytearray(min(entry.length, per_chunk * item))
+    flat = target.detach().reshape(-1)
+    numel = _numel(entry.shape)
+    for first in range(0, numel, per_chunk):
+        count = min(per_chunk, numel - first)
+        view = memoryview(buffer)[: count * item]
+        _read_into(f, entry.start + first * item, view, path)
+        flat[first:first + count].copy_(torch.frombuffer(view, dtype=entry.dtype, count=count))
+    return buffer
+
+
+def weights_fact(folder: str | os.PathLike | None, seed: int) -> dict:
+    """Where a model's weights came from, as --summary-json records it (export --hf and check alike)."""
+    if folder is None:
+        return {"source": "random", "seed": seed}
+    return {"source": "folder", "path": str(Path(folder).resolve())}
