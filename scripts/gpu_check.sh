@@ -8,7 +8,7 @@
 #
 # Steps: build the CUDA library and its sanitizer sweep (CMake; the device's own architecture unless
 # --archs; --prebuilt: use a build folder that has them), run the GPU tests
-# (tests/test_gpu_kernels.py, marker gpu, and tests/test_gpu_binding.py), the compute-sanitizer memcheck sweep, and the GPU
+# (tests/kernels/test_gpu_kernels.py, marker gpu, and tests/kernels/test_gpu_binding.py), the compute-sanitizer memcheck sweep, and the GPU
 # benchmark (python -m rope_export.bench.gpu). Writes DIR/gpu_check.json and DIR/gpu_check.md
 # (steps, times, results; the benchmark's own gpu_bench.json/.md beside them). Without a CUDA device
 # it builds, collects the GPU tests and stops there (exit 3): a dry run.
@@ -131,7 +131,7 @@ export ROPE_EXPORT_PLUGIN_DIR="$build_dir" PYTHONPATH="$root${PYTHONPATH:+:$PYTH
 # --noconftest and no plugin autoload: the suite's conftest wants hypothesis, which a bare GPU machine
 # may lack, and whatever plugins it has are not needed.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
-pytest_args=(--noconftest -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_binding.py)
+pytest_args=(--noconftest -p no:cacheprovider tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_binding.py)
 [[ $failed == 0 ]] && { step collect "$python" -m pytest --collect-only -q "${pytest_args[@]}" || failed=1; }
 
 if [[ "$device" == none ]]; then

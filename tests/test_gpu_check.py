@@ -69,8 +69,8 @@ def test_dry_run_on_a_bare_machine_collects_and_stops_before_the_device(tmp_path
     (collect,) = report["steps"]
     assert collect["step"] == "collect" and collect["exit"] == 0
     log = (out / "collect.log").read_text()
-    assert "tests/test_gpu_kernels.py::test_every_variant_matches_the_reference" in log
-    assert "tests/test_gpu_kernels.py::test_more_than_2_31_elements" in log
+    assert "tests/kernels/test_gpu_kernels.py::test_every_variant_matches_the_reference" in log
+    assert "tests/kernels/test_gpu_kernels.py::test_more_than_2_31_elements" in log
     assert "error" not in log.lower()
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# GPU check: no-device") and "No GPU figure." in md

@@ -1,7 +1,7 @@
 """Runs steps against TensorRT's lean runtime in a fresh process and prints what happened as JSON.
 
 The plugin registry is global to a process and a library opened with CDLL stays loaded, so every
-loading scenario of tests/test_trt_lean.py runs in its own process through this script:
+loading scenario of tests/runtimes/test_trt_lean.py runs in its own process through this script:
 
     python trt_lean_probe.py STEP_JSON    (ROPE_EXPORT_TRT_LEAN_PATH: folder put first on sys.path)
 

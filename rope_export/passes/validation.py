@@ -352,7 +352,7 @@ def _positions(rng, shape: tuple[int, int], rows: int, out_of_range: bool) -> np
 
 def _reference(x, cos, sin, pos, attrs: RotaryAttrs) -> np.ndarray:
     """The op contract in NumPy (``onnx_op.rotary_numpy``, written apart from every lowering and kernel
-    and held equal to the PyTorch reference by tests/test_reference.py). NumPy rather than torch so
+    and held equal to the PyTorch reference by tests/op/test_reference.py). NumPy rather than torch so
     that ``lower`` and ``fuse`` never import torch: it is most of their start-up."""
     from rope_export.op.onnx_op import rotary_numpy
 

@@ -1,7 +1,7 @@
 """The CUDA library and its binding where no GPU is needed (these run everywhere, CI included):
 it loads without a driver (static CUDA runtime), names what it was built for, refuses what it
 cannot run with a message, and is PyTorch's CUDA implementation of the custom op. The kernels
-themselves run in tests/test_gpu_kernels.py (marker gpu)."""
+themselves run in tests/kernels/test_gpu_kernels.py (marker gpu)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_without_the_library_the_cuda_kernel_warns_once_and_uses_the_reference(m
 @needs_library
 def test_sanitizer_sweep_says_it_needs_a_gpu_here():
     if not NO_DEVICE:
-        pytest.skip("a GPU is present: tests/test_gpu_kernels.py runs the sweep under compute-sanitizer")
+        pytest.skip("a GPU is present: tests/kernels/test_gpu_kernels.py runs the sweep under compute-sanitizer")
     proc = subprocess.run([str(plugin_dir() / "rope_export_cuda_sanitize")], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 77

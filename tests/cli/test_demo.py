@@ -15,7 +15,7 @@ import pytest
 from rope_export import cli
 from rope_export.exporting.core import count_rotary_nodes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_validates_every_target(tmp_path, capsys):

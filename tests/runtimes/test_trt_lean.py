@@ -41,7 +41,7 @@ from rope_export.op.contract import RotaryAttrs, RotaryContractError
 from rope_export.passes import lower
 from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
-PROBE = Path(__file__).with_name("trt_lean_probe.py")
+PROBE = Path(__file__).resolve().parents[1] / "trt_lean_probe.py"  # beside conftest.py
 LEAN10_DIR = source_root() / "build" / "trt-lean-10"
 IDENTITY = [PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE, "IPluginCreatorV3One"]
 
