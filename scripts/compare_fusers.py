@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     table = "\n".join(rows)
     print(table)
     if args.out:
-        from rope_export.files.fileio import atomic_write_text
+        from rope_export.common.fileio import atomic_write_text
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, table + "\n")

@@ -221,7 +221,7 @@ def markdown(section: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rope_export.files.fileio import atomic_write_text
+    from rope_export.common.fileio import atomic_write_text
 
     p = argparse.ArgumentParser(prog="python -m rope_export.bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -6,8 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from rope_export.common.fileio import atomic_write_text
 from rope_export.common.plotting import pyplot_or_none, save_png
-from rope_export.files.fileio import atomic_write_text
 
 SPEEDUP_GOAL = 4.0  # fused-and-lowered RoPE against its decomposed form, prefill, onnxruntime CPU
 COPY_GOAL = 1 / 1.15  # "within 15% of a memory copy": time <= 1.15 x the copy's, fraction >= 0.87

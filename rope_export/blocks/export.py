@@ -42,11 +42,11 @@ import onnx_ir as ir
 import torch
 
 from rope_export.blocks.check import FileMismatchError, check_on_onnxruntime
-from rope_export.cli.export_command import FACTORY_HELP
+from rope_export.common.fileio import check_writable
 from rope_export.detect import CountReport, RotationCensus, compare_with_file, count_rotations, rotary_nodes
 from rope_export.detect.census import module_path_of
+from rope_export.exporting import FACTORY_HELP
 from rope_export.files import onnx_files
-from rope_export.files.fileio import check_writable
 from rope_export.passes import FusionReport, fuse
 
 

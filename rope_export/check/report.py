@@ -17,8 +17,8 @@ from rope_export.check.cache_rows import SweepResult, TableCheck
 from rope_export.check.compare import OutputStats, PositionErrors, bucket_label
 from rope_export.check.layer_errors import LayerErrors
 from rope_export.check.layer_report import layer_lines, plot_error_vs_layer, summary_line
+from rope_export.common.fileio import atomic_write_text
 from rope_export.common.plotting import pyplot_or_none, save_png
-from rope_export.files.fileio import atomic_write_text
 from rope_export.op.tolerances import AgainstPyTorch, Tolerance
 
 

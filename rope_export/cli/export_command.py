@@ -7,14 +7,8 @@ from __future__ import annotations
 import importlib
 
 from rope_export.cli.options import add_output_arguments
-from rope_export.exporting import DTYPE_NAMES, MIN_OPSET
+from rope_export.exporting import DTYPE_NAMES, FACTORY_HELP, HF_FALLBACKS, HF_TRACES, MIN_OPSET
 
-HF_FALLBACKS = ("auto", "error", "plain", "fuse")  # what export --hf does when the rotary function does not verify
-HF_TRACES = ("full", "per-kind")  # how export --hf traces the decoder layers
-FACTORY_HELP = (
-    "PACKAGE.MODULE:FACTORY or path/to/file.py:FACTORY; FACTORY() returns (module, args), (module, args, "
-    "kwargs) or a dict with keys module, args and optionally kwargs, dynamic_shapes, input_names, output_names"
-)
 # The options only export --hf takes: any of them routes the call to run_hf_export.
 HF_ONLY = ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family", "attention_mask", "kv_buffer",
            "trace")

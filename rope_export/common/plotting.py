@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rope_export.files.fileio import atomic_path
+from rope_export.common.fileio import atomic_path
 
 
 def pyplot_or_none():

@@ -99,7 +99,7 @@ class StepLog:
                 "seconds": self.seconds, "peak_rss": self.peak_rss, **self.facts}
 
     def write_json(self, path: str | os.PathLike) -> None:
-        from rope_export.files.fileio import atomic_write_text
+        from rope_export.common.fileio import atomic_write_text
 
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
@@ -177,7 +177,7 @@ def cli_steps(console, title: str, summary_json: str | os.PathLike | None = None
     """A StepLog on a rich console (status line + one log line per step); on success, the summary
     table is printed and, with ``summary_json``, written as JSON."""
     if summary_json is not None:
-        from rope_export.files.fileio import check_writable
+        from rope_export.common.fileio import check_writable
 
         try:
             check_writable(summary_json)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_export.op import ops
+from rope_export.kernels import torch_op as ops
 from rope_export.op.tolerances import tolerance
 
 LAYOUTS = ("bhsd", "bshd")  # [B, H, S, D] (transformers' unsqueeze_dim=1) and [B, S, H, D] (unsqueeze_dim=2)

@@ -13,9 +13,9 @@ import onnx
 import onnx_ir as ir
 import torch
 
+from rope_export.common.fileio import check_writable
 from rope_export.exporting import DTYPE_NAMES, MIN_OPSET
 from rope_export.files import onnx_files
-from rope_export.files.fileio import check_writable
 from rope_export.op import (
     contract,
     onnx_op,  # noqa: F401  (registers the rope_export schema for onnxscript)

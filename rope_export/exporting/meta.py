@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rope_export.op import ops
+from rope_export.kernels import torch_op as ops
 
 _MISSING = object()
 

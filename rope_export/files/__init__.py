@@ -1,4 +1,4 @@
-"""Files: atomic writes, ONNX models of any size with their external data, tensors streamed to disk.
+"""Files: ONNX models of any size with their external data, tensors streamed to disk.
 
 ``EXTERNAL_DATA`` imports nothing, so the command-line options can offer it at once."""
 

@@ -33,9 +33,9 @@ import onnx
 import onnx_ir as ir
 
 from rope_export.common.bounds import format_bytes
+from rope_export.common.fileio import check_writable, commit_moves, staging_dir
 from rope_export.common.steps import detail, file_sizes
 from rope_export.files import EXTERNAL_DATA
-from rope_export.files.fileio import check_writable, commit_moves, staging_dir
 from rope_export.files.tensor_stream import SequentialWriter
 
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # protobuf's 2 GB limit, with room for the graph itself

@@ -24,7 +24,6 @@ the file. The modules:
 transformers is imported lazily: the package imports without it.
 """
 
-from rope_export.cli.export_command import wants_hf_export
 from rope_export.detect.forms import FORMS, rotate_half_qk
 from rope_export.hf.cache_io import (
     AttentionWithCache,
@@ -84,6 +83,5 @@ __all__ = [
     "rotate_half_qk",
     "run_hf_export",
     "text_config",
-    "wants_hf_export",
     "with_cache",
 ]

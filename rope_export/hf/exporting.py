@@ -26,9 +26,9 @@ import onnx
 import torch
 
 from rope_export import __version__
-from rope_export.cli.export_command import HF_FALLBACKS, HF_TRACES
 from rope_export.detect import rotary_nodes
 from rope_export.detect.functions import recorded_calls
+from rope_export.exporting import HF_FALLBACKS, HF_TRACES
 from rope_export.exporting.core import (
     DTYPES,
     INPUT_NAMES,

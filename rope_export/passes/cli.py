@@ -66,8 +66,8 @@ def _run_pass(args, title: str, apply) -> tuple:
     missing or read-only folder is reported before any work."""
     from rich.console import Console
 
+    from rope_export.common.fileio import check_writable
     from rope_export.common.steps import cli_steps
-    from rope_export.files.fileio import check_writable
     from rope_export.files.onnx_files import output_files
     from rope_export.passes import PassError, load_ir, save_model
 

@@ -1,7 +1,7 @@
 """PyTorch building blocks: the rotary embedding module, a RoPE attention block, and the classic
 additive sinusoidal position encoding (for comparisons).
 
-Every rotation goes through ``rope_export.op.ops.rotary_embedding`` (the custom op), so an eager
+Every rotation goes through ``rope_export.kernels.torch_op.rotary_embedding`` (the custom op), so an eager
 run and an export execute the same op.
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rope_export.common import bounds
-from rope_export.op import ops
+from rope_export.kernels import torch_op as ops
 from rope_export.op.rope_types import RopeConfig, build_caches, cache_build_bytes, cache_rows, inv_freq_and_scaling
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rope_export.common.errors import CLIError
-from rope_export.files.fileio import atomic_write_bytes
+from rope_export.common.fileio import atomic_write_bytes
 from rope_export.kernels.plugin import PLUGIN_DIR_ENV, TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
 from rope_export.passes.targets import (
     LEGACY_PLUGIN_NAME,

@@ -223,8 +223,8 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
     random weights, ``seed``). ``tokenizer``: the folder to copy tokenizer files and
     ``generation_config.json``'s defaults from (default: the ``hf`` folder).
     """
+    from rope_export.common.fileio import check_writable, commit_moves, staging_dir
     from rope_export.files import onnx_files
-    from rope_export.files.fileio import check_writable, commit_moves, staging_dir
     from rope_export.passes import LoweringLog, lower
 
     say = progress or (lambda message: None)

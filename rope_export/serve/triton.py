@@ -33,7 +33,7 @@ from pathlib import Path
 import onnx
 
 from rope_export.common.errors import CLIError
-from rope_export.files.fileio import check_writable, commit_moves, staging_dir
+from rope_export.common.fileio import check_writable, commit_moves, staging_dir
 
 BACKENDS = ("tensorrt", "onnxruntime", "python")
 ORT_TARGETS = ("onnx", "ort")  # lowerings onnxruntime runs

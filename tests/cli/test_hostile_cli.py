@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from rope_export import cli
 from rope_export.op.contract import DOMAIN, RotaryAttrs
 from rope_export.op.onnx_op import make_rotary_node
-from rope_export.presets import export as export_module
+from rope_export.presets import export as preset_export
 
 
 @pytest.fixture()
@@ -108,7 +108,7 @@ def test_an_unwritable_output_is_found_before_the_export_and_names_the_output(tm
     def must_not_run(*args, **kwargs):
         raise AssertionError("the export ran before the output was checked")
 
-    monkeypatch.setattr(export_module, "export_block", must_not_run)
+    monkeypatch.setattr(preset_export, "export_block", must_not_run)
     out = os.path.join(_unwritable_folder(tmp_path), "model.onnx")
     err = _run(capsys, ["export", "--preset", "tiny", "-o", out])
     assert f"cannot write {out}" in err and ".tmp" not in err

@@ -19,7 +19,7 @@ import onnx
 import pytest
 
 from rope_export.files import onnx_files
-from rope_export.presets import export as export_module
+from rope_export.presets import export as preset_export
 
 CACHE_LEN = 262144  # 16 MB of float32 cos/sin: the write takes long enough to be caught in the act
 SMALL_THRESHOLD = 1 << 20  # external data from 1 MB on (instead of 2 GB), set in the child process
@@ -99,7 +99,7 @@ def test_sigterm_during_an_external_data_write_keeps_the_earlier_pair_whole(tmp_
     out = tmp_path / "model.onnx"
     data = tmp_path / "model.onnx.data"
     monkeypatch.setattr(onnx_files, "EXTERNAL_DATA_THRESHOLD", SMALL_THRESHOLD)
-    export_module.export("tiny", out, seed=0, cache_len=CACHE_LEN)
+    preset_export.export("tiny", out, seed=0, cache_len=CACHE_LEN)
     assert data.is_file()
     old_model, old_data = out.read_bytes(), data.read_bytes()
 

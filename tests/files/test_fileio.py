@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from rope_export.files.fileio import atomic_path, atomic_write_bytes, atomic_write_text
+from rope_export.common.fileio import atomic_path, atomic_write_bytes, atomic_write_text
 
 
 def leftovers(folder, target_name: str) -> list[str]:

@@ -25,11 +25,12 @@ transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from rope_export import cli, hf  # noqa: E402
+from rope_export.cli.export_command import wants_hf_export  # noqa: E402
 from rope_export.op.contract import DOMAIN, OP_TYPE  # noqa: E402
 from rope_export.op.onnx_op import RotaryEmbedding  # noqa: E402
 from rope_export.op.rope_types import build_caches  # noqa: E402
 from rope_export.op.tolerances import tolerance  # noqa: E402
-from rope_export.presets import export as export_module  # noqa: E402
+from rope_export.exporting import core as export_core  # noqa: E402
 
 TOL = tolerance("block", "float32")
 LAYERS = 2
@@ -172,7 +173,7 @@ def test_family_exports_one_node_per_rotated_tensor_and_matches_transformers(fam
     names = [i.name for i in model.graph.input]
     assert names[:3] == ["input_ids", "position_ids", "past_key_values.0.key"]
     assert [o.name for o in model.graph.output][:2] == ["logits", "present.0.key"]
-    summary = export_module.summarize(model)
+    summary = export_core.summarize(model)
     assert summary["inputs"]["input_ids"] == ["batch", "seq"]
     assert summary["inputs"]["past_key_values.1.value"][::2] == ["batch", "past"]
     assert summary["outputs"]["present.0.key"][::2] == ["batch", "past+seq"]
@@ -219,7 +220,7 @@ def test_metadata_rope_parameters_rebuild_transformers_cos_sin(family):
     assert meta["position_ids_rank"] == ("3" if family == "qwen2_vl" else "2")
     props = {p.key for p in exported(family).model.metadata_props}
     for key in ("version", "dtype", "seed", "cache_len", "decode", "out_of_range_positions", "rope"):
-        assert export_module.METADATA_PREFIX + key in props  # the preset files' keys, where they fit
+        assert export_core.METADATA_PREFIX + key in props  # the preset files' keys, where they fit
 
 
 def test_rope_types_map_from_rope_parameters():
@@ -238,7 +239,7 @@ def test_attention_layer_export_matches_the_layer_inside_transformers(family):
     model = tiny_model(family)
     result = hf.export_hf(model, layer=1)
     assert result.kind == "hf-attention" and result.custom_nodes == 2
-    assert [i.name for i in result.model.graph.input] == list(export_module.INPUT_NAMES)
+    assert [i.name for i in result.model.graph.input] == list(export_core.INPUT_NAMES)
     assert hf.read_hf_metadata(result.model)["layer"] == 1
     attention = hf.attention_layers(model)[1]
     seen = {}
@@ -452,12 +453,12 @@ def test_cli_exports_a_local_config_with_local_weights(tmp_path, capsys):
     args = export_parser().parse_args(
         ["export", "--hf", str(config_file), "--weights", str(tmp_path / "weights"), "-o", str(out)]
     )
-    assert hf.wants_hf_export(args) and hf.run_hf_export(args) == 0
+    assert wants_hf_export(args) and hf.run_hf_export(args) == 0
     printed = capsys.readouterr().out
     assert "rope_export::RotaryEmbedding nodes" in printed and "qwen2" in printed
     assert re.search(r"rotations in eager transformers\s*│\s*2\b", printed)  # both counts in the summary
     onnx_model = onnx.load_model(out)
-    assert export_module.count_rotary_nodes(onnx_model) == 2
+    assert export_core.count_rotary_nodes(onnx_model) == 2
     meta = hf.read_hf_metadata(onnx_model)
     assert meta["hf_weights"] == str(tmp_path / "weights")
     check_against_transformers(model, onnx_model)  # the saved weights, not fresh random ones
@@ -469,10 +470,10 @@ def test_cli_rejects_options_that_do_not_fit():
     with pytest.raises(hf.HFExportError, match="--cache-len does not apply to --hf"):
         hf.run_hf_export(args)
     args = parser.parse_args(["export", "--weights", "w", "-o", "x.onnx"])
-    assert hf.wants_hf_export(args)
+    assert wants_hf_export(args)
     with pytest.raises(hf.HFExportError, match="need --hf"):
         hf.run_hf_export(args)
-    assert not hf.wants_hf_export(parser.parse_args(["export", "--preset", "tiny", "-o", "x.onnx"]))
+    assert not wants_hf_export(parser.parse_args(["export", "--preset", "tiny", "-o", "x.onnx"]))
 
 
 def test_config_errors_are_clear(tmp_path):

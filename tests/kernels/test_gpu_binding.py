@@ -54,7 +54,7 @@ def test_cpu_tensors_are_refused_with_the_fix():
 
 
 def test_the_custom_op_has_a_cuda_kernel_and_the_cpu_keeps_the_reference():
-    import rope_export.op.ops  # noqa: F401 - defines the op and registers the CUDA kernel
+    import rope_export.kernels.torch_op  # noqa: F401 - defines the op and registers the CUDA kernel
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key("rope_export::rotary_embedding", "CUDA")
     x, cos = torch.randn(1, 2, 3, 8), torch.randn(5, 4)

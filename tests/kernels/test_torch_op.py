@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rope_export.op import ops, reference
+from rope_export.kernels import torch_op as ops
+from rope_export.op import reference
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
