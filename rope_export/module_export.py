@@ -32,6 +32,7 @@ rotary nodes and why any other was left alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -197,13 +198,21 @@ def export_module(
         functions = [c.function for c in checks if c.ok]
         notes += [f"not hooked: {c.why}; the traced graph is fused instead" for c in checks if not c.ok]
     say(f"exporting with torch.onnx (dynamo, opset {opset})")
+    from rope_export.complex_pairs import complex_as_pairs, has_complex
+
+    # complex rotations (any spelling) are traced as real pairs: torch.onnx cannot export complex tensors
+    pairs = any(site.form == "complex" for site in census.sites) or has_complex(module)
+    if pairs:
+        notes.append("complex tensors traced as real pairs [..., 2] (rope_export.complex_pairs); their rotations "
+                     "are fused from the traced graph")
 
     def trace(shapes, auto: bool = False):
         if auto and kwargs:  # auto_dynamic_shapes' (args specs, kwargs specs)
             shapes = {**_named(module, shapes[0]), **shapes[1]}
         elif auto:
             shapes = shapes[0]
-        with torch.no_grad(), _quiet_exporter(verbose):
+        paired = complex_as_pairs(module) if pairs else contextlib.nullcontext()
+        with torch.no_grad(), _quiet_exporter(verbose), paired:
             return torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
                                      dynamic_shapes=shapes, input_names=input_names, output_names=output_names,
                                      custom_translation_table=custom_translation_table(), verbose=verbose)
