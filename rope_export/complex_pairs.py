@@ -63,7 +63,8 @@ class Pairs:
             return _GETTERS[name](self)
         if name in _HANDLERS:
             return functools.partial(_HANDLERS[name], self)
-        raise ComplexRewriteError(f"complex tensor method {name!r} has no real-pair rewrite (rope_export.complex_pairs)")
+        raise ComplexRewriteError(f"complex tensor method {name!r} has no real-pair rewrite "
+                                  "(rope_export.complex_pairs)")
 
     def __getitem__(self, index):
         return _getitem(self, index)

@@ -17,7 +17,7 @@ are not released as a small pure-Python package (gpt-fast, torchtitan's model fi
 from __future__ import annotations
 
 import torch
-from rope_blocks import D, MAX_POS
+from rope_blocks import MAX_POS, D
 from torch import Tensor, nn
 
 # -- torchtitan (transcribed) --------------------------------------------------------------------

@@ -88,6 +88,18 @@ def test_gpt_fast_real_view_fuses_from_its_plain_export():
     assert_matches_eager(fused, "gptfast")
 
 
+@pytest.mark.parametrize("name", ["titan_positions", "mistral"])
+def test_a_plain_export_under_complex_as_pairs_fuses(name):
+    """complex_as_pairs around a user's own torch.onnx.export: the file exports, and fuse finds both rotations."""
+    block = cb.block(name)
+    with complex_as_pairs(block):
+        model = rb.export_plain(block, rb.example())
+    report = FusionReport()
+    fused = fuse(model, report=report)
+    assert report.found == 2 and report.num_fused == 2 and not report.left, report.summary()
+    assert_matches_eager(fused, name)
+
+
 @pytest.mark.parametrize("name", ["conjugated", "conjugated_product"])
 def test_a_conjugated_table_is_fused_exactly(name):
     """freqs_cis.conj(): a rotation by -angle; fused with the sign of sin flipped, never as +angle."""
