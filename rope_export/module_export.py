@@ -203,8 +203,8 @@ def export_module(
     # complex rotations (any spelling) are traced as real pairs: torch.onnx cannot export complex tensors
     pairs = any(site.form == "complex" for site in census.sites) or has_complex(module)
     if pairs:
-        notes.append("complex tensors traced as real pairs [..., 2] (rope_export.complex_pairs); their rotations "
-                     "are fused from the traced graph")
+        notes.append("complex tensors traced as real pairs [..., 2] (rope_export.complex_pairs): torch.onnx "
+                     "cannot export complex tensors")
 
     def trace(shapes, auto: bool = False):
         if auto and kwargs:  # auto_dynamic_shapes' (args specs, kwargs specs)

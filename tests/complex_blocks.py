@@ -12,6 +12,8 @@ are not released as a small pure-Python package (gpt-fast, torchtitan's model fi
   with ``freqs_cis[positions]``;
 * gpt-fast ``model.py`` at commit 870415262cf12f7144d93359317acb24629e6dfd: ``precompute_freqs_cis``
   (its dtype argument) and ``apply_rotary_emb``: the real 5-D view of the complex product, no complex dtype.
+
+transformers' Llama 4 ``apply_rotary_emb`` is the installed package's own function (``Llama4Indexed``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 from rope_blocks import MAX_POS, D
 from torch import Tensor, nn
+from transformers.models.llama4 import modeling_llama4
 
 # -- torchtitan (transcribed) --------------------------------------------------------------------
 
@@ -183,6 +186,14 @@ class GptFast(nn.Module):
         return gptfast_apply_rotary_emb(q, freqs_cis), gptfast_apply_rotary_emb(k, freqs_cis)
 
 
+class Llama4Indexed(TitanPositions):
+    """transformers' Llama 4 ``apply_rotary_emb`` (the installed package's function), called with a complex
+    table gathered by positions in the block (``freqs_cis[pos]``: what torch.onnx cannot index)."""
+
+    def forward(self, q, k, pos):
+        return modeling_llama4.apply_rotary_emb(q, k, self.freqs_cis[pos])
+
+
 # -- planted: what a naive fusion would get wrong ---------------------------------------------------------
 
 
@@ -231,6 +242,7 @@ COMPLEX_FORMS = {
     "mistral": (Mistral, False),
     "mistral_partial": (lambda: Mistral(rotary_dim=D // 2), True),
     "gptfast": (GptFast, False),
+    "llama4_indexed": (Llama4Indexed, False),
 }
 PLANTED = {
     "conjugated": Conjugated,

@@ -78,6 +78,15 @@ def test_complex_spellings_export_one_node_per_rotated_tensor(name):
     assert_matches_eager(result.model, name, batch=3)
 
 
+def test_a_hooked_complex_function_takes_the_pairs():
+    """transformers' Llama 4 apply_rotary_emb is hooked as a function; the table the block indexes reaches its
+    replacement as real pairs, and the graph has nothing left to fuse."""
+    result = exported("llama4_indexed")
+    assert result.hooked and "modeling_llama4.apply_rotary_emb" in result.hooked[0], result.as_text()
+    assert result.fusion.num_fused == 0 and result.rotary_nodes == 2
+    assert any("traced as real pairs" in n for n in result.notes)
+
+
 def test_gpt_fast_real_view_fuses_from_its_plain_export():
     """gpt-fast never makes a complex tensor: torch.onnx exports it, and fuse finds both rotations."""
     model = rb.export_plain(cb.block("gptfast"), rb.example())
