@@ -87,6 +87,15 @@ def test_a_hooked_complex_function_takes_the_pairs():
     assert any("traced as real pairs" in n for n in result.notes)
 
 
+def test_half_precision_complex_rotation():
+    """fp16 q/k rotated in float32 complex (``x.float()`` ... ``type_as(x)``): fused with float32 math, and
+    export_module's onnxruntime check holds the fp16 file to the eager fp16 block."""
+    x, pos = rb.example()
+    result = rope_export.export_module(cb.block("titan_positions").half(), (x.half(), pos))
+    assert result.rotary_nodes == 2 and result.count.ok, result.as_text()
+    assert all("float32 math" in row.form for row in result.fusion.rows()), result.fusion.as_text()
+
+
 def test_gpt_fast_real_view_fuses_from_its_plain_export():
     """gpt-fast never makes a complex tensor: torch.onnx exports it, and fuse finds both rotations."""
     model = rb.export_plain(cb.block("gptfast"), rb.example())
