@@ -243,7 +243,14 @@ def export_module(
             notes.append(f"the export with rotary functions hooked failed ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0][:160]}); exported as written and fused instead")
     if program is None:
-        program = trace_shapes()
+        try:
+            program = trace_shapes()
+        except Exception as exc:  # noqa: BLE001 - name the complex op the pairs could not take, if that was it
+            cause = _complex_rewrite_cause(exc) if pairs else None
+            if cause is None:
+                raise
+            raise ModuleExportError(f"{cause}: the block's complex code cannot be traced as real pairs, and "
+                                    "torch.onnx cannot export complex tensors") from exc
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
     model = fuse(program.model, report=fusion, adopt_standard=True)  # in place: no copy of the weights
@@ -314,6 +321,19 @@ def record_example(module: torch.nn.Module, args: tuple, kwargs: dict, model: ir
     np.savez_compressed(buffer, **{k: t.numpy() for k, t in arrays.items()})
     meta[METADATA_PREFIX + "module_example"] = base64.b64encode(buffer.getvalue()).decode("ascii")
     return meta, ""
+
+
+def _complex_rewrite_cause(exc: BaseException):
+    """The ComplexRewriteError an export failure was caused by (torch.export wraps errors), or None."""
+    from rope_export.complex_pairs import ComplexRewriteError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ComplexRewriteError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _named(module: torch.nn.Module, per_arg) -> dict:

@@ -21,6 +21,7 @@ import rope_export
 from rope_export.complex_pairs import ComplexRewriteError, complex_as_pairs
 from rope_export.contract import DOMAIN, OP_TYPE
 from rope_export.detect import DecomposedRotationError
+from rope_export.module_export import ModuleExportError
 from rope_export.passes import FusionReport, fuse, lower
 
 CASES = ((0, rb.S), (7, 3), (20, 8))  # (position offset, sequence length): prefill, then past the traced length
@@ -147,3 +148,14 @@ def test_a_complex_op_without_rewrite_is_named():
     module = Summed()
     with complex_as_pairs(module), pytest.raises(ComplexRewriteError, match="'sum' has no real-pair rewrite"):
         module(torch.randn(3, 4, 2))
+
+
+def test_export_module_names_the_complex_op_it_cannot_take():
+    class Summed(cb.TitanPositions):
+        def forward(self, q, k, pos):
+            q, k = super().forward(q, k, pos)
+            return q * torch.view_as_real(self.freqs_cis.sum(0)).sum(), k
+
+    block = rb.Block(Summed()).eval()
+    with pytest.raises(ModuleExportError, match="op 'sum' on a complex tensor has no real-pair rewrite"):
+        rope_export.export_module(block, rb.example())
