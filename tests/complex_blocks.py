@@ -194,6 +194,21 @@ class Llama4Indexed(TitanPositions):
         return modeling_llama4.apply_rotary_emb(q, k, self.freqs_cis[pos])
 
 
+class HeadsFirst(TitanPositions):
+    """A user's complex rotation of [B, H, S, D] tensors: the table gathered by positions, unsqueezed at dim 1."""
+
+    layout = "bhsd"
+
+    def forward(self, q, k, pos):
+        freqs = self.freqs_cis[pos].unsqueeze(1)  # [B, 1, S, D/2] complex
+
+        def rot(x):
+            xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(freqs * xc).flatten(-2).type_as(x)
+
+        return rot(q), rot(k)
+
+
 # -- planted: what a naive fusion would get wrong ---------------------------------------------------------
 
 
@@ -243,6 +258,7 @@ COMPLEX_FORMS = {
     "mistral_partial": (lambda: Mistral(rotary_dim=D // 2), True),
     "gptfast": (GptFast, False),
     "llama4_indexed": (Llama4Indexed, False),
+    "heads_first": (HeadsFirst, False),
 }
 PLANTED = {
     "conjugated": Conjugated,
