@@ -209,6 +209,27 @@ class HeadsFirst(TitanPositions):
         return rot(q), rot(k)
 
 
+class PerHeadComplex(nn.Module):
+    """Learned per-head frequencies as a complex product: polar(1, pos * freq[h]) of shape [B, S, H, D/2]
+    (no axis to broadcast over: every head is its own row of the op)."""
+
+    layout = "bshd"
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(5)
+        self.register_buffer("freq", torch.rand(4, D // 2, generator=generator) * 0.5, persistent=False)
+
+    def forward(self, q, k, pos):
+        def rot(x):
+            a = pos[:, :, None, None].float() * self.freq[: x.shape[2]]
+            freqs_cis = torch.polar(torch.ones_like(a), a)
+            xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(xc * freqs_cis).flatten(3).type_as(x)
+
+        return rot(q), rot(k)
+
+
 # -- planted: what a naive fusion would get wrong ---------------------------------------------------------
 
 
@@ -259,6 +280,7 @@ COMPLEX_FORMS = {
     "gptfast": (GptFast, False),
     "llama4_indexed": (Llama4Indexed, False),
     "heads_first": (HeadsFirst, False),
+    "per_head_complex": (PerHeadComplex, False),
 }
 PLANTED = {
     "conjugated": Conjugated,

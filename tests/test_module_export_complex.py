@@ -64,7 +64,7 @@ def test_pairs_compute_what_the_complex_code_computes(name):
             got = block(x, pos)
     assert "forward" not in vars(block)  # the module is as it was
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # polar vs cos/sin: last-bit differences
 
 
 @pytest.mark.parametrize("name", list(cb.COMPLEX_FORMS))
