@@ -25,6 +25,12 @@ from rope_export.module_export import ModuleExportError
 from rope_export.passes import FusionReport, fuse, lower
 
 CASES = ((0, rb.S), (7, 3), (20, 8))  # (position offset, sequence length): prefill, then past the traced length
+# in `make test`: one block per library and the partial one; the variants under `make test-slow`
+FAST = ("titan_positions", "mistral", "mistral_partial", "gptfast", "llama4_indexed")
+
+
+def _params(names):
+    return [name if name in FAST else pytest.param(name, marks=pytest.mark.slow) for name in names]
 
 
 @functools.cache
@@ -67,7 +73,7 @@ def test_pairs_compute_what_the_complex_code_computes(name):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # polar vs cos/sin: last-bit differences
 
 
-@pytest.mark.parametrize("name", list(cb.COMPLEX_FORMS))
+@pytest.mark.parametrize("name", _params(cb.COMPLEX_FORMS))
 def test_complex_spellings_export_one_node_per_rotated_tensor(name):
     result = exported(name)
     attrs = rotary_attributes(result.model)
