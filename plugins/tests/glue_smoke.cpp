@@ -2,7 +2,7 @@
 // fields, serialization round trip through clone and attachToContext, type/format/shape decisions,
 // configurePlugin/onShapeChange and enqueue's refusal of bad shapes. TensorRT's Python bindings reach
 // none of these on a C++ plugin (their IPluginV3OneBuild/Runtime methods are documentation stubs), so
-// tests/test_trt_lean.py runs this driver. No GPU is touched: the one enqueue that passes is empty.
+// tests/runtimes/test_trt_lean.py runs this driver. No GPU is touched: the one enqueue that passes is empty.
 //
 //   rope_export_glue_smoke VC_LIBRARY [TENSORRT_RUNTIME] [--dtype-table]
 //

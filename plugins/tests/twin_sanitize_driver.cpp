@@ -1,5 +1,5 @@
 // Runs the CPU twin through its C ABI under AddressSanitizer + UBSan (built with
-// -fsanitize=address,undefined; tests/test_plugin_twin.py runs it). Every buffer is allocated at
+// -fsanitize=address,undefined; tests/kernels/test_plugin_twin.py runs it). Every buffer is allocated at
 // exactly its size (misaligned ones end exactly at the end of their allocation too), so a read
 // or write one element too far is reported. The outputs are checked against a plain loop that
 // follows the op contract, independent of the kernels' grid and vector code. The hostile cases

@@ -32,6 +32,7 @@ rotary nodes and why any other was left alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -198,13 +199,21 @@ def export_module(
         functions = [c.function for c in checks if c.ok]
         notes += [f"not hooked: {c.why}; the traced graph is fused instead" for c in checks if not c.ok]
     say(f"exporting with torch.onnx (dynamo, opset {opset})")
+    from rope_export.exporting.complex_pairs import complex_as_pairs, has_complex
+
+    # complex rotations (any spelling) are traced as real pairs: torch.onnx cannot export complex tensors
+    pairs = any(site.form == "complex" for site in census.sites) or has_complex(module)
+    if pairs:
+        notes.append("complex tensors traced as real pairs [..., 2] (rope_export.exporting.complex_pairs): torch.onnx "
+                     "cannot export complex tensors")
 
     def trace(shapes, auto: bool = False):
         if auto and kwargs:  # auto_dynamic_shapes' (args specs, kwargs specs)
             shapes = {**_named(module, shapes[0]), **shapes[1]}
         elif auto:
             shapes = shapes[0]
-        with torch.no_grad(), quiet_exporter(verbose):
+        paired = complex_as_pairs(module) if pairs else contextlib.nullcontext()
+        with torch.no_grad(), quiet_exporter(verbose), paired:
             return torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
                                      dynamic_shapes=shapes, input_names=input_names, output_names=output_names,
                                      custom_translation_table=custom_translation_table(), verbose=verbose)
@@ -235,7 +244,14 @@ def export_module(
             notes.append(f"the export with rotary functions hooked failed ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0][:160]}); exported as written and fused instead")
     if program is None:
-        program = trace_shapes()
+        try:
+            program = trace_shapes()
+        except Exception as exc:  # noqa: BLE001 - name the complex op the pairs could not take, if that was it
+            cause = _complex_rewrite_cause(exc) if pairs else None
+            if cause is None:
+                raise
+            raise ModuleExportError(f"{cause}: the block's complex code cannot be traced as real pairs, and "
+                                    "torch.onnx cannot export complex tensors") from exc
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
     model = fuse(program.model, report=fusion, adopt_standard=True)  # in place: no copy of the weights
@@ -306,6 +322,19 @@ def record_example(module: torch.nn.Module, args: tuple, kwargs: dict, model: ir
     np.savez_compressed(buffer, **{k: t.numpy() for k, t in arrays.items()})
     meta[METADATA_PREFIX + "module_example"] = base64.b64encode(buffer.getvalue()).decode("ascii")
     return meta, ""
+
+
+def _complex_rewrite_cause(exc: BaseException):
+    """The ComplexRewriteError an export failure was caused by (torch.export wraps errors), or None."""
+    from rope_export.exporting.complex_pairs import ComplexRewriteError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ComplexRewriteError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _named(module: torch.nn.Module, per_arg) -> dict:

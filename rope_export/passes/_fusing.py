@@ -267,8 +267,6 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
         if not self.partial and form.rd != form.width:
             raise SkipSite(f"only {form.rd} of {form.width} channels rotate without a partial split")
         layout, heads = layout_of(cand.x, cos_shape, product_shape)
-        if layout in FOLDED and cand.flatten_source:
-            raise SkipSite(f"a {layout} site whose rotated tensor exists only as [..., d/2, 2] pairs")
         cos, sin, note = self._traces(probe, cand, form, layout, len(product_shape))
         if form.sin_sign < 0 and sin.kind == "gather":
             sin = replace(sin, table=-sin.table)
@@ -341,6 +339,7 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
                             op.Constant(value=ir.tensor(np.array([rank - 2], dtype=np.int64))))
             x = op.Reshape(source, op.Concat(head, op.Constant(value=ir.tensor(np.array([-1], dtype=np.int64))),
                                              axis=0))
+            x.dtype = source.dtype
         if dtype_of(x) != dtype_of(site.y):
             x = op.Cast(x, to=dtype_of(site.y))
         cos, sin = (_cache_dtype(op, c, dtype_of(site.y)) for c in (cos, sin))

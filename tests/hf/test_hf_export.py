@@ -26,11 +26,11 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from rope_export import cli, hf  # noqa: E402
 from rope_export.cli.export_command import wants_hf_export  # noqa: E402
+from rope_export.exporting import core as export_core  # noqa: E402
 from rope_export.op.contract import DOMAIN, OP_TYPE  # noqa: E402
 from rope_export.op.onnx_op import RotaryEmbedding  # noqa: E402
 from rope_export.op.rope_types import build_caches  # noqa: E402
 from rope_export.op.tolerances import tolerance  # noqa: E402
-from rope_export.exporting import core as export_core  # noqa: E402
 
 TOL = tolerance("block", "float32")
 LAYERS = 2
