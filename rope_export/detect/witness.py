@@ -127,6 +127,11 @@ class _Tag:
 OTHER = _Tag()
 ACT = _Tag(act=True)
 TRIG = _Tag(kind="trig")
+SCALED_TRIG = _Tag(kind="trig", scaled=True)
+# "term": a trig value times another tensor; "factor": an activation times a constant tensor not known
+# to be trig (a table made before the forward and held where no module owns it: a global, a dict, an
+# lru_cache): two factors summed are a rotation only if their constants prove cos² + sin² = const there.
+TERMS = ("term", "factor")
 
 
 def _is_scalar(t) -> bool:
@@ -139,12 +144,36 @@ def _floating(t: torch.Tensor) -> bool:
 
 # -- numeric tests of leaf tensors ----------------------------------------------------------------
 
-def _constant_magnitude(squared: torch.Tensor) -> bool:
-    """``squared`` (c² + s² per element) is one positive constant, within TABLE_RTOL."""
+ZERO = 1e-12  # c² + s² at or below this is a zero entry (a padding row), not a magnitude
+
+
+def _magnitude(squared: torch.Tensor) -> str | None:
+    """What ``squared`` (c² + s² per element) says about a table, within TABLE_RTOL:
+
+    * ``"unit"``: one positive constant, except rows (last axis) that are zero throughout: a row of
+      zeros (a padding position) gives zeros, as the rotary op does with a zero cache row;
+    * ``"rows"``: constant along every row but not between rows (a padding row that is not zero,
+      a per-position scale): a scaled rotation, not plain RoPE;
+    * None: anything else (cos and sin of different angles, random data).
+    """
     if squared.numel() == 0:
-        return False
-    mid = squared.median()
-    return bool(mid > 1e-12 and ((squared - mid).abs() <= TABLE_RTOL * mid).all())
+        return None
+    rows = squared.reshape(-1, squared.shape[-1]) if squared.dim() else squared.reshape(1, 1)
+    zero = rows <= ZERO
+    dead = zero.all(dim=-1)
+    if bool((zero.any(dim=-1) & ~dead).any()) or bool(dead.all()):
+        return None  # zeros only in part of a row, or nothing but zeros
+    live = rows[~dead]
+    mid = live.median()
+    if bool(((live - mid).abs() <= TABLE_RTOL * mid).all()):
+        return "unit"
+    row_mid = live.median(dim=-1, keepdim=True).values
+    return "rows" if bool(((live - row_mid).abs() <= TABLE_RTOL * row_mid).all()) else None
+
+
+def _constant_magnitude(squared: torch.Tensor) -> bool:
+    """``squared`` (c² + s² per element) is one positive constant, within TABLE_RTOL, rows of zeros aside."""
+    return _magnitude(squared) == "unit"
 
 
 def _varies(t: torch.Tensor) -> bool:
@@ -160,7 +189,8 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
 
 
 def _single_table(t: torch.Tensor) -> bool:
-    """A trig table by itself: complex of constant magnitude, stacked [..., 2] or halves [c | s]."""
+    """A trig table by itself: complex of constant magnitude, stacked [..., 2] or halves [c | s]
+    (rows of zeros allowed: padding positions)."""
     if t.numel() < 4 or t.dim() == 0:
         return False
     for full in (False, True):
@@ -171,12 +201,10 @@ def _single_table(t: torch.Tensor) -> bool:
         elif not x.is_floating_point():
             return False
         elif x.shape[-1] == 2:
-            c, s = x[..., 0].double(), x[..., 1].double()
-            ok = _constant_magnitude(c * c + s * s) and _varies(c)
+            ok = _pair_kind(x[..., 0], x[..., 1]) == "unit"
         elif x.shape[-1] % 2 == 0:
             h = x.shape[-1] // 2
-            c, s = x[..., :h].double(), x[..., h:].double()
-            ok = _constant_magnitude(c * c + s * s) and _varies(c)
+            ok = _pair_kind(x[..., :h], x[..., h:]) == "unit"
         else:
             return False
         if not ok:
@@ -184,34 +212,53 @@ def _single_table(t: torch.Tensor) -> bool:
     return True
 
 
-def _pythagorean(c: torch.Tensor | None, s: torch.Tensor | None) -> bool:
-    """The trig factors of two terms are cos and sin of the same angles: c² + s² is constant.
+def _pair_kind(c: torch.Tensor, s: torch.Tensor) -> str | None:
+    """``_magnitude`` of c² + s² for two tensors of one shape, where c is a cos table: it varies and
+    takes values strictly between 0 and the magnitude (a 0/1 mask and its complement do not)."""
+    c, s = c.detach().double(), s.detach().double()
+    squared = c * c + s * s
+    kind = _magnitude(squared)
+    if kind is None or not _varies(c) or (kind == "rows" and c.shape[-1] < 2):
+        return None
+    live = squared > ZERO
+    ratio = c[live].abs() / squared[live].sqrt()
+    return kind if bool(((ratio > 0.05) & (ratio < 0.95)).any()) else None
+
+
+def _pythagorean(c: torch.Tensor | None, s: torch.Tensor | None, strict: bool = False) -> str | None:
+    """Whether the factors of two terms are cos and sin of the same angles: ``_pair_kind`` ("unit": c² + s²
+    is constant, "rows": constant per row only, a scaled rotation), or None.
 
     Factors that do not broadcast against each other (terms joined before their sum) are not
-    compared; the terms count as a rotation then.
+    compared; unless ``strict`` (factors not known to be trig), the terms count as a rotation then.
     """
     if c is None or s is None:
-        return True
+        return None if strict else "unit"
     try:
         c, s = torch.broadcast_tensors(c.detach(), s.detach())
     except RuntimeError:
-        return True
+        return None if strict else "unit"
     if c.is_complex() or s.is_complex():
-        return True
-    c, s = c.double(), s.double()
-    return _constant_magnitude(c * c + s * s)
+        return None if strict else "unit"
+    if not (c.is_floating_point() and s.is_floating_point()):
+        return None
+    kind = _pair_kind(c, s)
+    if kind is None and not strict and _magnitude(c.double() ** 2 + s.double() ** 2) == "unit":
+        return "unit"  # trig values already (e.g. cos = 1, sin = 0 at position 0 only)
+    return kind
 
 
-def _pair_table(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """(a, b) are a cos/sin pair: same shape, a² + b² constant, a not constant."""
+def _pair_table(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """(a, b) are a cos/sin pair: same shape, ``_pair_kind`` on a sample, then on the whole."""
     if a.shape != b.shape or not (a.is_floating_point() and b.is_floating_point()) or a.numel() < 2:
-        return False
+        return None
+    kind = None
     for full in (False, True):
         x, y = (a, b) if full else (_sample(a), _sample(b))
-        x, y = x.detach().double(), y.detach().double()
-        if not (_constant_magnitude(x * x + y * y) and _varies(x)):
-            return False
-    return True
+        kind = _pair_kind(x, y)
+        if kind is None:
+            return None
+    return kind
 
 
 # -- the mode ------------------------------------------------------------------------------------
@@ -305,8 +352,12 @@ class _Witness(TorchDispatchMode):
             return self.product(name, args, out, act)
         if name in SUMS and len(args) >= 2:
             a, b = (self.tag_of(x) if isinstance(x, torch.Tensor) else OTHER for x in args[:2])
-            if a.kind == "term" and b.kind == "term" and _pythagorean(a.trig, b.trig):
-                return self.new_event(out, "real", a.factors > 1 or b.factors > 1 or a.scaled or b.scaled)
+            if a.kind in TERMS and b.kind in TERMS:
+                strict = "factor" in (a.kind, b.kind)  # a table not known before: proven here or not at all
+                kind = _pythagorean(a.trig, b.trig, strict)
+                if kind is not None:
+                    scaled = kind == "rows" or a.factors > 1 or b.factors > 1 or a.scaled or b.scaled
+                    return self.new_event(out, "real", scaled)
         return self.propagate(name, func, args, tensors, tags, act)
 
     def product(self, name, args, out, act) -> _Tag:
@@ -333,7 +384,18 @@ class _Witness(TorchDispatchMode):
                 return first
             if first.kind == "term" and second.kind == "other":
                 return _Tag(kind="term", act=act, scaled=first.scaled, factors=first.factors + 1, trig=first.trig)
+            if first.kind == "factor" and _is_scalar(other):
+                return first
+        if not divide and "factor" not in (ta.kind, tb.kind):
+            for first, second, table in ((ta, tb, b), (tb, ta, a)):
+                if self.unknown_table(second, table) and first.act and first.kind == "other":
+                    return _Tag(kind="factor", act=True, factors=1, trig=table)
         return _Tag(act=act)
+
+    def unknown_table(self, tag: _Tag, t) -> bool:
+        """A constant tensor that may be a cos or sin table: floating, not derived from activations, not a weight."""
+        return (isinstance(t, torch.Tensor) and tag.kind == "other" and not tag.act and not tag.rots
+                and t.is_floating_point() and not _is_scalar(t) and t not in self.known_params)
 
     def propagate(self, name, func, args, tensors, tags, act) -> _Tag:
         relevant = [tg for t, tg in zip(tensors, tags, strict=True) if _floating(t) and not _is_scalar(t)]
@@ -344,6 +406,8 @@ class _Witness(TorchDispatchMode):
         kinds = {tg.kind for tg in relevant}
         if relevant and kinds == {"trig"}:
             return _Tag(kind="trig", scaled=any(tg.scaled for tg in relevant))
+        if relevant and name in SHAPE_OPS and kinds == {"factor"}:
+            return relevant[0]
         if relevant and name in SHAPE_OPS and kinds <= {"term", "trig"} and "term" in kinds:
             terms = [tg for tg in relevant if tg.kind == "term"]
             return _Tag(kind="term", act=act, scaled=any(tg.scaled for tg in terms),
@@ -444,9 +508,9 @@ def _classify_leaves(witness: _Witness, module: nn.Module, inputs: list[torch.Te
     for group in unpaired.values():
         for i, a in enumerate(group):
             for b in group[i + 1:]:
-                if _pair_table(a, b):
-                    witness.tags[a] = TRIG
-                    witness.tags[b] = TRIG
+                kind = _pair_table(a, b)
+                if kind is not None:  # "rows": a padding row that is not zero, a per-position scale
+                    witness.tags[a] = witness.tags[b] = TRIG if kind == "unit" else SCALED_TRIG
     for t in inputs:
         if t not in witness.tags:
             witness.tags[t] = ACT if _floating(t) else OTHER
