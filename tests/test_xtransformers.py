@@ -112,3 +112,39 @@ def test_rotary_embedding_torch_with_a_warmed_cache():
     fused = fuse(plain_export(block, inputs, ({0: torch.export.Dim("batch")},)), report=report, validate=True)
     assert n_rotary(fused) == 2 and (report.found, report.num_fused, report.left) == (2, 2, 0), report.as_text()
     assert_equal_to_eager(fused, block, other)
+
+
+def torchscript_export(model, inputs, dynamic_axes=None):
+    import io
+    import warnings
+
+    import onnx
+
+    buffer = io.BytesIO()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, inputs, buffer, dynamo=False, opset_version=18, input_names=["x"],
+                          dynamic_axes=dynamic_axes)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def test_fuse_of_a_static_torchscript_export():
+    """TorchScript keeps x-transformers' ``* scale`` (1.0) after each product: fuse bypasses the Mul by one
+    (exact) and fuses all 6 rotations (it found none before)."""
+    block = layers("Decoder", depth=3, rotary_pos_emb=True)  # 3 attention layers
+    report = FusionReport()
+    fused = fuse(torchscript_export(block, hidden()), report=report, validate=True)
+    assert n_rotary(fused) == 6 and (report.found, report.num_fused, report.left) == (6, 6, 0), report.as_text()
+    assert_equal_to_eager(fused, block, hidden(seed=2))
+
+
+@pytest.mark.parametrize("axes", [{0: "batch"}, {0: "batch", 1: "seq"}], ids=["batch", "batch-seq"])
+def test_fuse_of_a_dynamic_torchscript_export_counts_them_and_says_why_not(axes):
+    """Not fused yet: with dynamic axes the TorchScript graph slices the rotated channels with an end read from
+    the angles' shape, which shape inference leaves unknown, so the sites cannot be evaluated on probe sizes.
+    The 6 rotations are counted (none were before) and each is left alone with the reason; nothing is rewritten."""
+    block = layers("Decoder", depth=3, rotary_pos_emb=True)
+    report = FusionReport()
+    fused = fuse(torchscript_export(block, hidden(), {"x": axes}), report=report)
+    assert (report.found, report.num_fused, report.left) == (6, 0, 6) and n_rotary(fused) == 0, report.as_text()
+    assert all("could not be evaluated" in r.detail for r in report.rows() if r.status == "left alone")
