@@ -12,6 +12,7 @@
   shifted by one; a padding token reads row 0 and comes out as zeros);
 * ``global_cache``: tables from a module-level ``functools.lru_cache`` function warmed in ``__init__``: no
   module owns them, so they are recognised where they are used (a sum of two products with them);
+* ``stacked_first_axis``: one buffer holding cos and sin along its first axis, recognised where used;
 * planted: ``bad_pad_row`` (the padding row is 0.5, not zero: c² + s² is not constant there, so those
   tokens are scaled, not rotated), ``other_angles`` (sin of twice cos's angles: not a rotation).
 
@@ -165,6 +166,21 @@ class GlobalCache(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+class StackedFirstAxis(nn.Module):
+    """One buffer ``[2, MAX_POS, D]`` holding cos and sin along its first axis (``cos, sin = table[:, pos]``):
+    not a pair of tensors, not a table with cos/sin along its last axis."""
+
+    def __init__(self):
+        super().__init__()
+        freqs = torch.arange(MAX_POS).float()[:, None] * (1.0 / (BASE ** (torch.arange(0, D, 2).float() / D)))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("table", torch.stack((emb.cos(), emb.sin())), persistent=False)
+
+    def forward(self, q, k, pos):
+        cos, sin = self.table[:, pos][:, :, None].unbind(0)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 # -- the attention block ----------------------------------------------------------------------------------
 
 class LegacyLlamaRope(nn.Module):
@@ -214,6 +230,7 @@ BLOCKS = {
     "zero_row": lambda: Attention(PaddedTable()),
     "zero_row_last": lambda: Attention(PaddedTable(last=True)),
     "global_cache": lambda: Attention(GlobalCache()),
+    "stacked_first_axis": lambda: Attention(StackedFirstAxis()),
 }
 PLANTED = {
     "bad_pad_row": lambda: Attention(PaddedTable(pad=0.5)),

@@ -131,14 +131,16 @@ def _unit(x: np.ndarray, y: np.ndarray) -> bool:
 
 
 def _halves(x: np.ndarray):
-    """The ways one table holds both cos and sin along its last axis: a trailing pair axis ([.., 2],
-    torchtune and Meta's view_as_real), two halves (GPT-J's cat(sin, cos)) or alternate columns."""
+    """The ways one table holds both cos and sin: a trailing pair axis ([.., 2], torchtune and Meta's
+    view_as_real), two halves (GPT-J's cat(sin, cos)) or alternate columns of its last axis, or any
+    other axis of two (``stack((cos, sin))``)."""
     width = x.shape[-1]
-    if width == 2:
-        yield x[..., 0], x[..., 1]
     if width % 2 == 0:
         yield x[..., : width // 2], x[..., width // 2:]
         yield x[..., 0::2], x[..., 1::2]
+    for axis in range(x.ndim):
+        if x.shape[axis] == 2:
+            yield np.take(x, 0, axis=axis), np.take(x, 1, axis=axis)
 
 
 def _table_pairs(graph: ir.Graph) -> set[ir.Value]:
