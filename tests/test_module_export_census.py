@@ -19,7 +19,7 @@ from test_module_export_vision import assert_equal_to_eager, n_rotary, run_lower
 
 import rope_export
 from rope_export.detect import count_rotations
-from rope_export.detect.witness import _pair_table
+from rope_export.detect.tables import _pair_table
 from rope_export.passes import FusionReport, fuse
 
 PADDED = ("zero_row", "zero_row_last")

@@ -9,6 +9,10 @@ follows data flow through every ATen op, independently of any hook, fusion rule 
   of constant magnitude, or two same-shaped tensors ``(c, s)`` with ``c² + s²`` constant (a cos/sin
   pair handed in as ``position_embeddings``). Views, casts, indexing by positions, products with
   scalars and products of trig values stay trig.
+  Tables no module owns (a module-level ``lru_cache``, a dict, a global: made before the forward, so no
+  trig op runs in it) are tested where they are used: an activation times such a constant is a
+  *factor*, and two factors summed are a rotation only if their constants satisfy cos² + sin² = const
+  there (``tables.py`` holds the numeric tests; rows of zeros, padding positions, are allowed).
 * **terms**: a trig value times a non-trig tensor (``x * cos``, ``rotate_half(x) * sin``).
 * **rotations**: the sum or difference of two terms, or a complex product with a trig value, or
   one call of rope_export's own op. Terms joined along the last axis by ``cat``/``stack`` (or
@@ -37,6 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rope_export.detect.tables import _pair_table, _pythagorean, _single_table, _varies
+
 # ATen ops (schema names without the overload) that move or retype data without computing:
 # they carry a rotation's identity, and keep a trig value trig or a term a term.
 SHAPE_OPS = frozenset(
@@ -55,8 +61,6 @@ PRODUCTS = frozenset({"aten::mul", "aten::mul_", "aten::div", "aten::div_"})
 SUMS = frozenset({"aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::rsub"})
 OWN_OP = "rope_export::rotary_embedding"
 
-TABLE_RTOL = 2e-2  # c² + s² = const within this (bf16 tables are coarse); random data is far off
-SAMPLE = 4096  # elements looked at before a full check of a large candidate table
 
 
 @dataclass(frozen=True)
@@ -140,125 +144,6 @@ def _is_scalar(t) -> bool:
 
 def _floating(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
-
-
-# -- numeric tests of leaf tensors ----------------------------------------------------------------
-
-ZERO = 1e-12  # c² + s² at or below this is a zero entry (a padding row), not a magnitude
-
-
-def _magnitude(squared: torch.Tensor) -> str | None:
-    """What ``squared`` (c² + s² per element) says about a table, within TABLE_RTOL:
-
-    * ``"unit"``: one positive constant, except rows (last axis) that are zero throughout: a row of
-      zeros (a padding position) gives zeros, as the rotary op does with a zero cache row;
-    * ``"rows"``: constant along every row but not between rows (a padding row that is not zero,
-      a per-position scale): a scaled rotation, not plain RoPE;
-    * None: anything else (cos and sin of different angles, random data).
-    """
-    if squared.numel() == 0:
-        return None
-    rows = squared.reshape(-1, squared.shape[-1]) if squared.dim() else squared.reshape(1, 1)
-    zero = rows <= ZERO
-    dead = zero.all(dim=-1)
-    if bool((zero.any(dim=-1) & ~dead).any()) or bool(dead.all()):
-        return None  # zeros only in part of a row, or nothing but zeros
-    live = rows[~dead]
-    mid = live.median()
-    if bool(((live - mid).abs() <= TABLE_RTOL * mid).all()):
-        return "unit"
-    row_mid = live.median(dim=-1, keepdim=True).values
-    return "rows" if bool(((live - row_mid).abs() <= TABLE_RTOL * row_mid).all()) else None
-
-
-def _constant_magnitude(squared: torch.Tensor) -> bool:
-    """``squared`` (c² + s² per element) is one positive constant, within TABLE_RTOL, rows of zeros aside."""
-    return _magnitude(squared) == "unit"
-
-
-def _varies(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and bool((t != t.reshape(-1)[0]).any())
-
-
-def _sample(t: torch.Tensor) -> torch.Tensor:
-    """Leading rows of ``t`` with at most ~SAMPLE elements (a cheap first look)."""
-    if t.numel() <= SAMPLE or t.dim() == 0:
-        return t
-    rows = max(1, SAMPLE // max(1, t[0].numel()))
-    return t[:rows]
-
-
-def _single_table(t: torch.Tensor) -> bool:
-    """A trig table by itself: complex of constant magnitude, stacked [..., 2] or halves [c | s]
-    (rows of zeros allowed: padding positions)."""
-    if t.numel() < 4 or t.dim() == 0:
-        return False
-    for full in (False, True):
-        x = t if full else _sample(t)
-        x = x.detach()
-        if x.is_complex():
-            ok = _constant_magnitude(x.abs().double() ** 2) and _varies(torch.angle(x))
-        elif not x.is_floating_point():
-            return False
-        elif x.shape[-1] == 2:
-            ok = _pair_kind(x[..., 0], x[..., 1]) == "unit"
-        elif x.shape[-1] % 2 == 0:
-            h = x.shape[-1] // 2
-            ok = _pair_kind(x[..., :h], x[..., h:]) == "unit"
-        else:
-            return False
-        if not ok:
-            return False
-    return True
-
-
-def _pair_kind(c: torch.Tensor, s: torch.Tensor) -> str | None:
-    """``_magnitude`` of c² + s² for two tensors of one shape, where c is a cos table: it varies and
-    takes values strictly between 0 and the magnitude (a 0/1 mask and its complement do not)."""
-    c, s = c.detach().double(), s.detach().double()
-    squared = c * c + s * s
-    kind = _magnitude(squared)
-    if kind is None or not _varies(c) or (kind == "rows" and c.shape[-1] < 2):
-        return None
-    live = squared > ZERO
-    ratio = c[live].abs() / squared[live].sqrt()
-    return kind if bool(((ratio > 0.05) & (ratio < 0.95)).any()) else None
-
-
-def _pythagorean(c: torch.Tensor | None, s: torch.Tensor | None, strict: bool = False) -> str | None:
-    """Whether the factors of two terms are cos and sin of the same angles: ``_pair_kind`` ("unit": c² + s²
-    is constant, "rows": constant per row only, a scaled rotation), or None.
-
-    Factors that do not broadcast against each other (terms joined before their sum) are not
-    compared; unless ``strict`` (factors not known to be trig), the terms count as a rotation then.
-    """
-    if c is None or s is None:
-        return None if strict else "unit"
-    try:
-        c, s = torch.broadcast_tensors(c.detach(), s.detach())
-    except RuntimeError:
-        return None if strict else "unit"
-    if c.is_complex() or s.is_complex():
-        return None if strict else "unit"
-    if not (c.is_floating_point() and s.is_floating_point()):
-        return None
-    kind = _pair_kind(c, s)
-    if kind is None and not strict and _magnitude(c.double() ** 2 + s.double() ** 2) == "unit":
-        return "unit"  # trig values already (e.g. cos = 1, sin = 0 at position 0 only)
-    return kind
-
-
-def _pair_table(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """(a, b) are a cos/sin pair: same shape, ``_pair_kind`` on a sample, then on the whole."""
-    if a.shape != b.shape or not (a.is_floating_point() and b.is_floating_point()) or a.numel() < 2:
-        return None
-    kind = None
-    for full in (False, True):
-        x, y = (a, b) if full else (_sample(a), _sample(b))
-        kind = _pair_kind(x, y)
-        if kind is None:
-            return None
-    return kind
 
 
 # -- the mode ------------------------------------------------------------------------------------
