@@ -9,6 +9,10 @@ follows data flow through every ATen op, independently of any hook, fusion rule 
   of constant magnitude, or two same-shaped tensors ``(c, s)`` with ``c² + s²`` constant (a cos/sin
   pair handed in as ``position_embeddings``). Views, casts, indexing by positions, products with
   scalars and products of trig values stay trig.
+  Tables no module owns (a module-level ``lru_cache``, a dict, a global: made before the forward, so no
+  trig op runs in it) are tested where they are used: an activation times such a constant is a
+  *factor*, and two factors summed are a rotation only if their constants satisfy cos² + sin² = const
+  there (``tables.py`` holds the numeric tests; rows of zeros, padding positions, are allowed).
 * **terms**: a trig value times a non-trig tensor (``x * cos``, ``rotate_half(x) * sin``).
 * **rotations**: the sum or difference of two terms, or a complex product with a trig value, or
   one call of rope_export's own op. Terms joined along the last axis by ``cat``/``stack`` (or
@@ -37,6 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rope_export.detect.tables import _pair_table, _pythagorean, _single_table, _varies
+
 # ATen ops (schema names without the overload) that move or retype data without computing:
 # they carry a rotation's identity, and keep a trig value trig or a term a term.
 SHAPE_OPS = frozenset(
@@ -55,8 +61,6 @@ PRODUCTS = frozenset({"aten::mul", "aten::mul_", "aten::div", "aten::div_"})
 SUMS = frozenset({"aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::rsub"})
 OWN_OP = "rope_export::rotary_embedding"
 
-TABLE_RTOL = 2e-2  # c² + s² = const within this (bf16 tables are coarse); random data is far off
-SAMPLE = 4096  # elements looked at before a full check of a large candidate table
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,11 @@ class _Tag:
 OTHER = _Tag()
 ACT = _Tag(act=True)
 TRIG = _Tag(kind="trig")
+SCALED_TRIG = _Tag(kind="trig", scaled=True)
+# "term": a trig value times another tensor; "factor": an activation times a constant tensor not known
+# to be trig (a table made before the forward and held where no module owns it: a global, a dict, an
+# lru_cache): two factors summed are a rotation only if their constants prove cos² + sin² = const there.
+TERMS = ("term", "factor")
 
 
 def _is_scalar(t) -> bool:
@@ -135,83 +144,6 @@ def _is_scalar(t) -> bool:
 
 def _floating(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
-
-
-# -- numeric tests of leaf tensors ----------------------------------------------------------------
-
-def _constant_magnitude(squared: torch.Tensor) -> bool:
-    """``squared`` (c² + s² per element) is one positive constant, within TABLE_RTOL."""
-    if squared.numel() == 0:
-        return False
-    mid = squared.median()
-    return bool(mid > 1e-12 and ((squared - mid).abs() <= TABLE_RTOL * mid).all())
-
-
-def _varies(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and bool((t != t.reshape(-1)[0]).any())
-
-
-def _sample(t: torch.Tensor) -> torch.Tensor:
-    """Leading rows of ``t`` with at most ~SAMPLE elements (a cheap first look)."""
-    if t.numel() <= SAMPLE or t.dim() == 0:
-        return t
-    rows = max(1, SAMPLE // max(1, t[0].numel()))
-    return t[:rows]
-
-
-def _single_table(t: torch.Tensor) -> bool:
-    """A trig table by itself: complex of constant magnitude, stacked [..., 2] or halves [c | s]."""
-    if t.numel() < 4 or t.dim() == 0:
-        return False
-    for full in (False, True):
-        x = t if full else _sample(t)
-        x = x.detach()
-        if x.is_complex():
-            ok = _constant_magnitude(x.abs().double() ** 2) and _varies(torch.angle(x))
-        elif not x.is_floating_point():
-            return False
-        elif x.shape[-1] == 2:
-            c, s = x[..., 0].double(), x[..., 1].double()
-            ok = _constant_magnitude(c * c + s * s) and _varies(c)
-        elif x.shape[-1] % 2 == 0:
-            h = x.shape[-1] // 2
-            c, s = x[..., :h].double(), x[..., h:].double()
-            ok = _constant_magnitude(c * c + s * s) and _varies(c)
-        else:
-            return False
-        if not ok:
-            return False
-    return True
-
-
-def _pythagorean(c: torch.Tensor | None, s: torch.Tensor | None) -> bool:
-    """The trig factors of two terms are cos and sin of the same angles: c² + s² is constant.
-
-    Factors that do not broadcast against each other (terms joined before their sum) are not
-    compared; the terms count as a rotation then.
-    """
-    if c is None or s is None:
-        return True
-    try:
-        c, s = torch.broadcast_tensors(c.detach(), s.detach())
-    except RuntimeError:
-        return True
-    if c.is_complex() or s.is_complex():
-        return True
-    c, s = c.double(), s.double()
-    return _constant_magnitude(c * c + s * s)
-
-
-def _pair_table(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """(a, b) are a cos/sin pair: same shape, a² + b² constant, a not constant."""
-    if a.shape != b.shape or not (a.is_floating_point() and b.is_floating_point()) or a.numel() < 2:
-        return False
-    for full in (False, True):
-        x, y = (a, b) if full else (_sample(a), _sample(b))
-        x, y = x.detach().double(), y.detach().double()
-        if not (_constant_magnitude(x * x + y * y) and _varies(x)):
-            return False
-    return True
 
 
 # -- the mode ------------------------------------------------------------------------------------
@@ -305,8 +237,12 @@ class _Witness(TorchDispatchMode):
             return self.product(name, args, out, act)
         if name in SUMS and len(args) >= 2:
             a, b = (self.tag_of(x) if isinstance(x, torch.Tensor) else OTHER for x in args[:2])
-            if a.kind == "term" and b.kind == "term" and _pythagorean(a.trig, b.trig):
-                return self.new_event(out, "real", a.factors > 1 or b.factors > 1 or a.scaled or b.scaled)
+            if a.kind in TERMS and b.kind in TERMS:
+                strict = "factor" in (a.kind, b.kind)  # a table not known before: proven here or not at all
+                kind = _pythagorean(a.trig, b.trig, strict)
+                if kind is not None:
+                    scaled = kind == "rows" or a.factors > 1 or b.factors > 1 or a.scaled or b.scaled
+                    return self.new_event(out, "real", scaled)
         return self.propagate(name, func, args, tensors, tags, act)
 
     def product(self, name, args, out, act) -> _Tag:
@@ -333,7 +269,18 @@ class _Witness(TorchDispatchMode):
                 return first
             if first.kind == "term" and second.kind == "other":
                 return _Tag(kind="term", act=act, scaled=first.scaled, factors=first.factors + 1, trig=first.trig)
+            if first.kind == "factor" and _is_scalar(other):
+                return first
+        if not divide and "factor" not in (ta.kind, tb.kind):
+            for first, second, table in ((ta, tb, b), (tb, ta, a)):
+                if self.unknown_table(second, table) and first.act and first.kind == "other":
+                    return _Tag(kind="factor", act=True, factors=1, trig=table)
         return _Tag(act=act)
+
+    def unknown_table(self, tag: _Tag, t) -> bool:
+        """A constant tensor that may be a cos or sin table: floating, not derived from activations, not a weight."""
+        return (isinstance(t, torch.Tensor) and tag.kind == "other" and not tag.act and not tag.rots
+                and t.is_floating_point() and not _is_scalar(t) and t not in self.known_params)
 
     def propagate(self, name, func, args, tensors, tags, act) -> _Tag:
         relevant = [tg for t, tg in zip(tensors, tags, strict=True) if _floating(t) and not _is_scalar(t)]
@@ -344,6 +291,8 @@ class _Witness(TorchDispatchMode):
         kinds = {tg.kind for tg in relevant}
         if relevant and kinds == {"trig"}:
             return _Tag(kind="trig", scaled=any(tg.scaled for tg in relevant))
+        if relevant and name in SHAPE_OPS and kinds == {"factor"}:
+            return relevant[0]
         if relevant and name in SHAPE_OPS and kinds <= {"term", "trig"} and "term" in kinds:
             terms = [tg for tg in relevant if tg.kind == "term"]
             return _Tag(kind="term", act=act, scaled=any(tg.scaled for tg in terms),
@@ -444,9 +393,9 @@ def _classify_leaves(witness: _Witness, module: nn.Module, inputs: list[torch.Te
     for group in unpaired.values():
         for i, a in enumerate(group):
             for b in group[i + 1:]:
-                if _pair_table(a, b):
-                    witness.tags[a] = TRIG
-                    witness.tags[b] = TRIG
+                kind = _pair_table(a, b)
+                if kind is not None:  # "rows": a padding row that is not zero, a per-position scale
+                    witness.tags[a] = witness.tags[b] = TRIG if kind == "unit" else SCALED_TRIG
     for t in inputs:
         if t not in witness.tags:
             witness.tags[t] = ACT if _floating(t) else OTHER

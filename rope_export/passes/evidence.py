@@ -117,21 +117,30 @@ def _table_candidates(graph: ir.Graph) -> list[tuple[ir.Value, np.ndarray]]:
 
 
 def _unit(x: np.ndarray, y: np.ndarray) -> bool:
-    """cos² + sin² is one constant (not 0) over the table, and the two are not the same table."""
+    """cos² + sin² is one constant (not 0) over the table, and the two are not the same table. Rows (last
+    axis) where both are zero throughout are allowed: a padding position's row, which gives zeros, as the
+    rotary op does with a zero cache row."""
     total = x * x + y * y
+    if total.ndim >= 1 and total.size:
+        rows = total.reshape(-1, total.shape[-1])
+        dead = np.all(rows == 0, axis=-1)
+        if dead.any() and not dead.all():
+            total = rows[~dead]
     return bool(total.size and total.mean() > 1e-2 and np.ptp(total) <= 1e-3 * max(1.0, total.mean())
                 and not np.array_equal(x, y))
 
 
 def _halves(x: np.ndarray):
-    """The ways one table holds both cos and sin along its last axis: a trailing pair axis ([.., 2],
-    torchtune and Meta's view_as_real), two halves (GPT-J's cat(sin, cos)) or alternate columns."""
+    """The ways one table holds both cos and sin: a trailing pair axis ([.., 2], torchtune and Meta's
+    view_as_real), two halves (GPT-J's cat(sin, cos)) or alternate columns of its last axis, or any
+    other axis of two (``stack((cos, sin))``)."""
     width = x.shape[-1]
-    if width == 2:
-        yield x[..., 0], x[..., 1]
     if width % 2 == 0:
         yield x[..., : width // 2], x[..., width // 2:]
         yield x[..., 0::2], x[..., 1::2]
+    for axis in range(x.ndim):
+        if x.shape[axis] == 2:
+            yield np.take(x, 0, axis=axis), np.take(x, 1, axis=axis)
 
 
 def _table_pairs(graph: ir.Graph) -> set[ir.Value]:

@@ -8,7 +8,9 @@ against the op contract before it is rewritten (``_site``, ``_verify``), so a lo
 alone with the reason. Passes run larger forms first: the partial forms (rotated head + untouched
 tail + Concat), then the forms computed in float32 under a half-precision tensor (Cast up, rotate,
 Cast down), then the plain forms; dead nodes are removed between passes. Nothing else in the file
-changes: graph inputs, outputs and the names of the rotated tensors stay as they were.
+changes: graph inputs, outputs and the names of the rotated tensors stay as they were, except that a
+product multiplied by exactly 1.0 before a sum (``x * cos * 1.0``, kept by TorchScript exports) is
+bypassed first (``_unit_scale``: exact, ``x * 1`` is ``x``).
 
 Detection runs on the ONNX graph rather than on torch.export's ATen graph because one mechanism
 then serves every producer: ``rope-export fuse`` on anyone's file (TorchScript or dynamo exports,
@@ -36,6 +38,7 @@ from rope_export.passes import evidence, fuse_pairs, fuse_rotation, fuse_standar
 from rope_export.passes._fusing import STAGES, FusionReport
 from rope_export.passes._model import PassError, from_ir, infer_shapes, onnx_opset, remove_unused, to_ir
 from rope_export.passes._probe import Probe
+from rope_export.passes._unit_scale import drop_unit_scales
 
 MIN_OPSET = 13
 RULE_MODULES = (fuse_pairs, fuse_rotation, fuse_standard_op)
@@ -72,6 +75,8 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
                 report.seen(node.outputs[0].name, "other rotary op", f"{node.domain or 'ai.onnx'}::{OP_TYPE}",
                             "kept as is" + hint)
     infer_shapes(ir_model)
+    if drop_unit_scales(ir_model.graph):  # x * cos * 1.0 (TorchScript keeps a scale of one): exact to bypass
+        remove_unused(ir_model)
     report.found = evidence.count_rotations(ir_model)
     fused = 0
     # one memo (site analyses, caches) and one set of probe sizes for every stage; the rules are
