@@ -192,8 +192,11 @@ def map_safetensors(model: nn.Module, plan: dict[str, _Entry], dtype: torch.dtyp
 
     Reading 5 GB into freshly allocated memory took 10 s of a 1B fp32 export on this machine; the
     mapping takes none, and the export then reads each page once (the census's forward, the writer),
-    from the page cache. The mapped pages count in the process's RSS once touched, as the copy did."""
+    from the page cache. The mapped pages count in the process's RSS once touched, until the writer gives
+    them back (``rope_export.mapped``)."""
     import mmap
+
+    from rope_export.mapped import register
 
     params = dict(model.named_parameters(remove_duplicate=False))
     maps: dict[Path, mmap.mmap] = {}
@@ -210,6 +213,7 @@ def map_safetensors(model: nn.Module, plan: dict[str, _Entry], dtype: torch.dtyp
             if entry.file not in maps:
                 with open(entry.file, "rb") as f:
                     maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                register(maps[entry.file])  # the writer gives each tensor's pages back once written
             view = torch.frombuffer(maps[entry.file], dtype=entry.dtype, count=_numel(entry.shape),
                                     offset=entry.start).view(entry.shape)
             made[id(param)] = nn.Parameter(view, requires_grad=param.requires_grad)

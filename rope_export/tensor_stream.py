@@ -8,7 +8,9 @@ the torch weight, not a copy), and tensors of an input file (``ExternalTensor``)
 * a C-contiguous tensor is written straight from its memory (a ``memoryview``, no copy);
 * a strided one is gathered ``CHUNK`` bytes at a time (whole leading-axis slices) into one of three
   reused buffers (torch's transpose copy), so memory grows by three chunks whatever the tensor's size;
-* an input file's tensor is copied file to file by onnx_ir (``copy_file_range``).
+* an input file's tensor is copied file to file by onnx_ir (``copy_file_range``);
+* a tensor whose memory is mapped from a checkpoint (``rope_export.mapped``) gives its pages back
+  once written, so the process holds about one tensor of it at a time, not the whole model.
 
 The writes run on a thread of their own while the next chunk is gathered (both release the GIL).
 An error on that thread is raised in the caller's; on any exception (KeyboardInterrupt included)
@@ -26,6 +28,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
+
+from rope_export.mapped import extent, release
 
 CHUNK = 64 * 2**20  # bytes per write: large enough for the disk, small enough to keep two in memory
 _PACKED = {ir.DataType.INT4, ir.DataType.UINT4, ir.DataType.FLOAT4E2M1, ir.DataType.INT2, ir.DataType.UINT2,
@@ -170,6 +174,8 @@ class SequentialWriter:
             return
         for piece in chunks(array, self._buffers()):
             self._put(piece)
+        address, length = extent(array)  # memory mapped from a checkpoint: its pages go back once written
+        self._put(lambda f: release(address, length))
 
     def _external(self, tensor: ir.ExternalTensor, f) -> None:
         tensor.tofile(f)

@@ -80,3 +80,32 @@ def test_an_error_on_the_writer_thread_reaches_the_caller():
         with SequentialWriter(_FullDisk()) as writer:
             for tensor in _tensors() * 4:
                 writer.write(tensor)
+
+
+def test_memory_mapped_from_a_checkpoint_is_written_then_given_back_never_losing_a_change(tmp_path):
+    import mmap
+
+    import torch
+
+    from rope_export import mapped
+
+    source = tmp_path / "weights.bin"
+    data = np.arange(2**20, dtype=np.float32).reshape(1024, 1024)
+    data.tofile(source)
+    with open(source, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    mapped.register(mapping)
+    weight = torch.frombuffer(mapping, dtype=torch.float32).view(1024, 1024)
+    weight[3, 5] = -1.0  # copy-on-write: the process's own page from now on
+    expected = data.copy()
+    expected[3, 5] = -1.0
+    out = tmp_path / "out.data"
+    with open(out, "wb") as f, SequentialWriter(f) as writer:
+        writer.write(ir.Tensor(weight.numpy().T))  # a strided view, gathered
+        writer.write(ir.Tensor(weight.numpy()))  # contiguous, written from the mapping
+    written = np.fromfile(out, dtype=np.float32)
+    np.testing.assert_array_equal(written[: 2**20].reshape(1024, 1024), expected.T)
+    np.testing.assert_array_equal(written[2**20:].reshape(1024, 1024), expected)
+    assert weight[3, 5] == -1.0 and torch.equal(weight, torch.from_numpy(expected))  # released, nothing lost
+    assert mapped.release(*mapped.extent(weight.numpy())) == (mapped._ADVICE is not None)
+    assert not mapped.release(*mapped.extent(expected))  # not mapped from a checkpoint: left alone
