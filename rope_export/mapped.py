@@ -2,11 +2,13 @@
 
 ``rope_export.checkpoints.map_safetensors`` makes parameters views of a checkpoint file mapped
 copy-on-write and registers each mapping here. Once ``tensor_stream`` has written a tensor whose
-memory lies in such a mapping, it calls ``release`` on that memory: ``MADV_PAGEOUT`` hands the
-clean pages back (the process's RSS falls, as a plain read into freed buffers would leave it),
-while a page the process modified (copy-on-write: anonymous memory now) stays as it is, so nothing
-is ever lost; a later read of a released page reads the file again. Without ``MADV_PAGEOUT``
-(Linux < 5.4, other systems) ``release`` does nothing. No torch here: numpy and the standard library.
+memory lies in such a mapping, it calls ``release`` on that memory: ``MADV_DONTNEED`` unmaps its
+pages from the process (the RSS falls, as a plain read into freed buffers would leave it; the
+file's pages stay in the page cache for whoever reads the checkpoint next, and a later read of a
+released page maps the file's again). A page the process changed is its own copy, which
+``MADV_DONTNEED`` would drop: ``release`` first reads ``/proc/self/pagemap`` and leaves a tensor
+alone if any of its pages is such a copy, so nothing is ever lost. Without pagemap (not Linux)
+``release`` does nothing. No torch here: numpy and the standard library.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import mmap
 import threading
 import weakref
 
-_ADVICE = getattr(mmap, "MADV_PAGEOUT", None)
+_ADVICE = getattr(mmap, "MADV_DONTNEED", None)
+_PAGEMAP = "/proc/self/pagemap"
 _PAGE = mmap.PAGESIZE
 _lock = threading.Lock()
 _maps: list[tuple[int, int, weakref.ref]] = []  # (address, length, the mmap), by address
@@ -44,11 +47,30 @@ def release(address: int, length: int) -> bool:
     start = -(-(address - base) // _PAGE) * _PAGE  # whole pages inside the range: a neighbour's page is kept
     end = min(address + length - base, size) // _PAGE * _PAGE
     if end > start:
+        if not _only_file_pages(base + start, end - start):
+            return False  # a page of it was changed: the process's own copy, kept
         try:
             mapping.madvise(_ADVICE, start, end - start)
         except (OSError, ValueError):  # a kernel without it, or the mapping closed meanwhile
             return False
     return True
+
+
+def _only_file_pages(address: int, length: int) -> bool:
+    """True when no page of the range is anonymous memory (a copy-on-write copy): each page's pagemap entry
+    (present bit 63, swapped bit 62, file-or-shared bit 61) says so; False when pagemap cannot be read."""
+    import numpy as np
+
+    try:
+        with open(_PAGEMAP, "rb", buffering=0) as f:
+            f.seek(address // _PAGE * 8)
+            entries = np.frombuffer(f.read(length // _PAGE * 8), "<u8")
+    except OSError:
+        return False
+    if entries.size != length // _PAGE:
+        return False
+    resident = (entries >> np.uint64(62)) != 0  # present or swapped
+    return not bool(np.any(resident & ((entries >> np.uint64(61)) & np.uint64(1) == 0)))
 
 
 def extent(array) -> tuple[int, int]:

@@ -5,6 +5,7 @@ whatever its layout (contiguous, a transposed view, torch bf16, an input file's 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -107,5 +108,13 @@ def test_memory_mapped_from_a_checkpoint_is_written_then_given_back_never_losing
     np.testing.assert_array_equal(written[: 2**20].reshape(1024, 1024), expected.T)
     np.testing.assert_array_equal(written[2**20:].reshape(1024, 1024), expected)
     assert weight[3, 5] == -1.0 and torch.equal(weight, torch.from_numpy(expected))  # released, nothing lost
-    assert mapped.release(*mapped.extent(weight.numpy())) == (mapped._ADVICE is not None)
+    assert not mapped.release(*mapped.extent(weight.numpy()))  # holds a changed page: kept whole
     assert not mapped.release(*mapped.extent(expected))  # not mapped from a checkpoint: left alone
+    with open(source, "rb") as f:
+        clean = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    mapped.register(clean)
+    unchanged = torch.frombuffer(clean, dtype=torch.float32).view(1024, 1024)
+    assert float(unchanged.sum()) == float(data.astype(np.float64).sum())  # every page read
+    if Path(mapped._PAGEMAP).exists():
+        assert mapped.release(*mapped.extent(unchanged.numpy()))  # given back: clean pages of the file
+    assert torch.equal(unchanged, torch.from_numpy(data))  # and read from the file again
