@@ -213,7 +213,7 @@ def map_safetensors(model: nn.Module, plan: dict[str, _Entry], dtype: torch.dtyp
             if entry.file not in maps:
                 with open(entry.file, "rb") as f:
                     maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                register(maps[entry.file])  # the writer gives each tensor's pages back once written
+                register(maps[entry.file], entry.file)  # for the writer (rope_export.mapped)
             view = torch.frombuffer(maps[entry.file], dtype=entry.dtype, count=_numel(entry.shape),
                                     offset=entry.start).view(entry.shape)
             made[id(param)] = nn.Parameter(view, requires_grad=param.requires_grad)

@@ -21,17 +21,35 @@ _ADVICE = getattr(mmap, "MADV_DONTNEED", None)
 _PAGEMAP = "/proc/self/pagemap"
 _PAGE = mmap.PAGESIZE
 _lock = threading.Lock()
-_maps: list[tuple[int, int, weakref.ref]] = []  # (address, length, the mmap), by address
+_maps: list[tuple[int, int, weakref.ref, str]] = []  # (address, length, the mmap, its file)
 
 
-def register(mapping: mmap.mmap) -> None:
-    """Remember ``mapping`` (an open mmap) so that ``release`` can find it by address."""
+def register(mapping: mmap.mmap, path: str) -> None:
+    """Remember ``mapping`` (an open mmap of the whole file ``path``) so that ``release`` and ``file_range``
+    can find it by address."""
     import numpy as np
 
     address = np.frombuffer(mapping, np.uint8).ctypes.data if len(mapping) else 0
     with _lock:
         _maps[:] = [m for m in _maps if m[2]() is not None]
-        _maps.append((address, len(mapping), weakref.ref(mapping)))
+        _maps.append((address, len(mapping), weakref.ref(mapping), str(path)))
+
+
+def file_range(address: int, length: int) -> tuple[str, int] | None:
+    """(file, offset) whose bytes are [address, address + length) of a registered mapping, when no page of that
+    range was changed by the process (then the file holds exactly the memory's bytes); else None."""
+    if length <= 0:
+        return None
+    with _lock:
+        found = [(base, size, path) for base, size, ref, path in _maps
+                 if base <= address and address + length <= base + size and ref() is not None]
+    if not found:
+        return None
+    base, _, path = found[0]
+    first = address // _PAGE * _PAGE
+    if not _only_file_pages(first, -(-(address + length - first) // _PAGE) * _PAGE):
+        return None
+    return path, address - base
 
 
 def release(address: int, length: int) -> bool:
@@ -40,7 +58,7 @@ def release(address: int, length: int) -> bool:
     if _ADVICE is None or length <= 0:
         return False
     with _lock:
-        found = [(base, size, ref()) for base, size, ref in _maps if base <= address < base + size]
+        found = [(base, size, ref()) for base, size, ref, _ in _maps if base <= address < base + size]
     if not found or found[0][2] is None:
         return False
     base, size, mapping = found[0]
