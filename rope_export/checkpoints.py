@@ -12,7 +12,7 @@
   tensor stored in ``dtype`` is read into the parameter's memory, another dtype (bf16 weights
   exported as fp16, or fp32 ones) is converted in chunks of ``CHUNK_BYTES``. A .safetensors tensor
   already in ``dtype`` is not read at all: the parameter is a view of the file, memory-mapped
-  copy-on-write (``map_safetensors``; its pages count in the RSS once touched, as a copy would).
+  copy-on-write (``rope_export.checkpoint_map``; the writer copies it from the file, ``rope_export.mapped``).
   Nothing goes through float32 and no tensor exists twice. PyTorch ``pytorch_model.bin`` files
   (sharded or not) are memory-mapped one file at a time and copied into the parameters (the mapped
   pages are the file's, dropped after it).
@@ -43,6 +43,7 @@ from torch import nn
 
 from rope_export.bounds import check_allocation, format_bytes
 from rope_export.checkpoint_fit import predicted_loading_info
+from rope_export.checkpoint_map import map_safetensors
 from rope_export.steps import detail
 
 CHUNK_BYTES = 64 * 2**20  # conversion buffer for a tensor stored in another dtype
@@ -183,46 +184,6 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
     materialize(model, dtype)
     report = load_checkpoint(model, plan, progress, placed=mapped)
     return model.eval(), report
-
-
-def map_safetensors(model: nn.Module, plan: dict[str, _Entry], dtype: torch.dtype) -> set[str]:
-    """Each meta parameter whose .safetensors tensor is stored in the dtype it takes becomes a view of the
-    file, memory-mapped copy-on-write (nothing is read until it is used, the file is never written);
-    tied parameters stay one. Returns the checkpoint names so placed; the rest are read by ``load_checkpoint``.
-
-    Reading 5 GB into freshly allocated memory took 10 s of a 1B fp32 export on this machine; the
-    mapping takes none, and the export then reads each page once (the census's forward, the writer),
-    from the page cache. The mapped pages count in the process's RSS once touched, until the writer gives
-    them back (``rope_export.mapped``)."""
-    import mmap
-
-    from rope_export.mapped import register
-
-    params = dict(model.named_parameters(remove_duplicate=False))
-    maps: dict[Path, mmap.mmap] = {}
-    made: dict[int, nn.Parameter] = {}
-    names: set[str] = set()
-    for name, entry in plan.items():
-        param = params.get(name)
-        if param is None or param.device.type != "meta" or entry.start < 0 or not _numel(entry.shape):
-            continue
-        want = dtype if param.dtype.is_floating_point else param.dtype
-        if want != entry.dtype or entry.start % entry.dtype.itemsize:
-            continue  # converted, or misaligned for its dtype: read
-        if id(param) not in made:
-            if entry.file not in maps:
-                with open(entry.file, "rb") as f:
-                    maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                register(maps[entry.file], entry.file)  # for the writer (rope_export.mapped)
-            view = torch.frombuffer(maps[entry.file], dtype=entry.dtype, count=_numel(entry.shape),
-                                    offset=entry.start).view(entry.shape)
-            made[id(param)] = nn.Parameter(view, requires_grad=param.requires_grad)
-        names.add(name)
-    for module in model.modules():
-        for key, param in list(module._parameters.items()):
-            if param is not None and id(param) in made:
-                module._parameters[key] = made[id(param)]
-    return names
 
 
 def _from_pretrained(auto_class, folder: Path, config, options: dict) -> nn.Module:
