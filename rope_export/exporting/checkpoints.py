@@ -10,10 +10,12 @@
 * A checkpoint folder as ``save_pretrained`` writes it (``model.safetensors``, or shards listed in
   ``model.safetensors.index.json``) is read tensor by tensor straight into the parameters: a
   tensor stored in ``dtype`` is read into the parameter's memory, another dtype (bf16 weights
-  exported as fp16, or fp32 ones) is converted in chunks of ``CHUNK_BYTES``. Nothing goes through
-  float32, no tensor exists twice, and plain reads (not a memory map) keep the page cache out of
-  the process's RSS. PyTorch ``pytorch_model.bin`` files (sharded or not) are memory-mapped one
-  file at a time and copied into the parameters (the mapped pages are the file's, dropped after it).
+  exported as fp16, or fp32 ones) is converted in chunks of ``CHUNK_BYTES``. A .safetensors tensor
+  already in ``dtype`` is not read at all: the parameter is a view of the file, memory-mapped
+  copy-on-write (``rope_export.exporting.checkpoint_map``; the writer copies it from the file, ``rope_export.files.mapped``).
+  Nothing goes through float32 and no tensor exists twice. PyTorch ``pytorch_model.bin`` files
+  (sharded or not) are memory-mapped one file at a time and copied into the parameters (the mapped
+  pages are the file's, dropped after it).
   A checkpoint whose names or shapes do not match the model one to one (renamed keys, fused
   experts, quantized weights) is loaded by transformers' ``from_pretrained`` instead, and
   ``LoadReport.loader`` says so; what even transformers cannot place (tensors missing, unexpected
@@ -42,6 +44,7 @@ from torch import nn
 from rope_export.common.bounds import check_allocation, format_bytes
 from rope_export.common.steps import detail
 from rope_export.exporting.checkpoint_fit import predicted_loading_info
+from rope_export.exporting.checkpoint_map import map_safetensors
 
 CHUNK_BYTES = 64 * 2**20  # conversion buffer for a tensor stored in another dtype
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,6 +80,7 @@ class LoadReport:
     files: list[str] = field(default_factory=list)
     tensors: int = 0
     bytes_read: int = 0
+    mapped: int = 0  # tensors used in place from the memory-mapped file (stored in the dtype asked for)
     converted: dict[str, int] = field(default_factory=dict)  # "bf16->fp16": tensors converted
     reason: str = ""  # why transformers' loader was used
 
@@ -176,8 +180,9 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
         model = _from_pretrained(auto_class, Path(weights), config, options)
         return model.eval(), LoadReport("transformers", reason=mismatch)
     _check_extents(plan)
+    mapped = map_safetensors(model, plan, dtype)
     materialize(model, dtype)
-    report = load_checkpoint(model, plan, progress)
+    report = load_checkpoint(model, plan, progress, placed=mapped)
     return model.eval(), report
 
 
@@ -401,14 +406,18 @@ def _mismatch(model: nn.Module, plan: dict[str, _Entry]) -> str:
 
 
 def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLike,
-                    progress: Callable[[str], None] | None = None) -> LoadReport:
-    """Read the checkpoint's tensors into ``model``'s allocated parameters and buffers, in their dtypes."""
+                    progress: Callable[[str], None] | None = None, *, placed: set[str] = frozenset()) -> LoadReport:
+    """Read the checkpoint's tensors into ``model``'s allocated parameters and buffers, in their dtypes
+    (``placed``: names ``map_safetensors`` already mapped)."""
     if not isinstance(plan, dict):
         plan = _checkpoint_plan(Path(plan))
     _check_extents(plan)
     targets = _targets(model)
     pytorch = any(e.start < 0 for e in plan.values())
-    report = LoadReport("pytorch" if pytorch else "safetensors", files=sorted({str(e.file) for e in plan.values()}))
+    report = LoadReport("pytorch" if pytorch else "safetensors", files=sorted({str(e.file) for e in plan.values()}),
+                        tensors=len(placed), mapped=len(placed))
+    count = len(plan)
+    plan = {name: entry for name, entry in plan.items() if name not in placed}
     total = sum(e.length for e in plan.values())
     buffer = bytearray()
     by_file: dict[Path, list[tuple[str, _Entry]]] = {}
@@ -432,7 +441,7 @@ def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLik
                         report.converted[key] = report.converted.get(key, 0) + 1
                 report.tensors += 1
                 report.bytes_read += entry.length
-                detail(progress, f"loading weights: {report.tensors} of {len(plan)} tensors, "
+                detail(progress, f"loading weights: {report.tensors} of {count} tensors, "
                                  f"{format_bytes(report.bytes_read)} of {format_bytes(total)}")
         del mapped
     return report

@@ -8,7 +8,9 @@ the torch weight, not a copy), and tensors of an input file (``ExternalTensor``)
 * a C-contiguous tensor is written straight from its memory (a ``memoryview``, no copy);
 * a strided one is gathered ``CHUNK`` bytes at a time (whole leading-axis slices) into one of three
   reused buffers (torch's transpose copy), so memory grows by three chunks whatever the tensor's size;
-* an input file's tensor is copied file to file by onnx_ir (``copy_file_range``).
+* an input file's tensor is copied file to file by onnx_ir (``copy_file_range``);
+* a tensor whose memory is mapped from a checkpoint (``rope_export.files.mapped``) gives its pages back
+  once written, so the process holds about one tensor of it at a time, not the whole model.
 
 The writes run on a thread of their own while the next chunk is gathered (both release the GIL).
 An error on that thread is raised in the caller's; on any exception (KeyboardInterrupt included)
@@ -19,15 +21,20 @@ folder of ``onnx_files.write``) never races a write.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
+from rope_export.files.mapped import extent, file_range, release
+
 CHUNK = 64 * 2**20  # bytes per write: large enough for the disk, small enough to keep two in memory
+SOURCE_LIMIT = 256 * 2**20  # a strided checkpoint tensor up to this is read into a buffer, not faulted in
 _PACKED = {ir.DataType.INT4, ir.DataType.UINT4, ir.DataType.FLOAT4E2M1, ir.DataType.INT2, ir.DataType.UINT2,
            ir.DataType.FLOAT6E2M3, ir.DataType.FLOAT6E3M2}  # fewer bits than a byte: onnx_ir packs them
 
@@ -114,6 +121,7 @@ class SequentialWriter:
         self.file, self.written, self.error = file, 0, None
         self._queue: queue.Queue = queue.Queue(maxsize=1)  # with the one being written: two chunks in flight
         self._cycle = None
+        self._source: np.ndarray | None = None  # a checkpoint range read for a strided tensor (_read_view)
         self._thread = threading.Thread(target=self._run, name="rope-export-writer", daemon=True)
 
     def __enter__(self):
@@ -168,8 +176,37 @@ class SequentialWriter:
             else:
                 self._put(tensor.tobytes())
             return
+        address, length = extent(array)
+        source = file_range(address, length) if length <= max(array.nbytes, SOURCE_LIMIT) else None
+        if source is not None and array.flags.c_contiguous:  # the checkpoint's own bytes: file to file
+            path, offset = source
+            whole = ir.ExternalTensor(Path(path).name, offset, length, ir.DataType.UINT8, shape=ir.Shape([length]),
+                                      name="", base_dir=str(Path(path).parent))
+            self._put(lambda f, t=whole: self._external(t, f))
+            return
+        if source is not None:  # read the checkpoint's range, not its mapped pages (a page fault per page)
+            array = self._read_view(array, source, address, length)
         for piece in chunks(array, self._buffers()):
             self._put(piece)
+        if source is None:  # memory mapped from a checkpoint: its pages go back once written
+            self._put(lambda f: release(address, length))
+
+    def _read_view(self, array: np.ndarray, source: tuple[str, int], address: int, length: int) -> np.ndarray:
+        """``array`` over a copy of its memory read from the file (the buffer is reused: the caller gathers
+        from it before the next tensor)."""
+        if self._source is None or self._source.size < length:
+            self._source = np.empty(length, np.uint8)
+        view = memoryview(self._source)[:length]
+        path, offset = source
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < length:
+                n = os.preadv(f.fileno(), [view[done:]], offset + done)
+                if not n:
+                    raise OSError(f"{path} ended early while reading a tensor's bytes")
+                done += n
+        return np.ndarray(array.shape, array.dtype, buffer=self._source,
+                          offset=array.__array_interface__["data"][0] - address, strides=array.strides)
 
     def _external(self, tensor: ir.ExternalTensor, f) -> None:
         tensor.tofile(f)

@@ -251,10 +251,35 @@ def _layer_io(index: int, layer) -> LayerIO | None:
     return LayerIO(index, tuple(slots), tuple(kernels)) if slots else None
 
 
-def cache_layout(model) -> CacheLayout:
-    """Per-layer cache geometry of the text decoder, read from one tiny eager forward."""
-    from transformers.cache_utils import Cache
+def _meta_forward(model):
+    """The tiny forward on the meta device (every parameter and buffer swapped for a meta tensor of its shape for
+    the call, the model's own left untouched), or None where the model's code cannot run there (it reads a
+    tensor's values: routers, data-dependent branches). Shapes are all a cache geometry is, and the forward
+    then costs nothing: the real one reads every weight (6 s and the whole model's pages for a 1B fp32 model
+    mapped from its checkpoint)."""
+    from torch.nn.utils.stateless import _reparametrize_module
 
+    from rope_export.hf.hooking import model_state_kept
+
+    state = {name: torch.empty_like(t, device="meta") for name, t in
+             (*model.named_parameters(), *model.named_buffers())}
+    try:
+        with torch.no_grad(), model_state_kept(model), _reparametrize_module(model, state, tie_weights=True):
+            return with_cache(model, make_cache(model), input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception:  # noqa: BLE001 - whatever fails on meta is asked of the real weights
+        return None
+
+
+def cache_layout(model) -> CacheLayout:
+    """Per-layer cache geometry of the text decoder, read from one tiny forward (on the meta device where the
+    model's code runs there, else eager on its weights)."""
+
+    out = _meta_forward(model)
+    if out is not None:
+        try:
+            return _layout_of(model, out)
+        except HFExportError:
+            pass  # said again by the real forward, or not
     cache = make_cache(model)
     with torch.no_grad():
         try:
@@ -263,6 +288,12 @@ def cache_layout(model) -> CacheLayout:
             first = str(exc).strip().splitlines()[0]
             raise HFExportError(f"{model.config.model_type}: its cache is not transformers' DynamicCache ({first}); "
                                 "rope-export exports DynamicCache models only") from None
+    return _layout_of(model, out)
+
+
+def _layout_of(model, out) -> CacheLayout:
+    from transformers.cache_utils import Cache
+
     filled = returned_cache(out)
     if not isinstance(filled, Cache):
         raise HFExportError(

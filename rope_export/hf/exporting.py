@@ -325,9 +325,15 @@ def export_hf(
         module, inputs, shapes, input_names, output_names, kind = _wrapper(model, layer, inputs, layout,
                                                                             fam.position_rank, seed, attention_mask,
                                                                             kv_buffer)
-        say("counting the rotations transformers performs in one eager forward")
-        with recorded_calls() as called, _buffer_attention(model, kv_buffer):
-            census = eager_rotations(module, inputs)
+        counted = None  # per-kind: the leading layers' census, extended by kind (rope_export.hf.stamping)
+        if trace == "per-kind" and layer is None and not attention_mask and not kv_buffer:
+            counted = _census_per_kind(model, fam, layout, (batch, seq, past), seed, say)
+        if counted is None:
+            say("counting the rotations transformers performs in one eager forward")
+            with recorded_calls() as called, _buffer_attention(model, kv_buffer):
+                census = eager_rotations(module, inputs)
+        else:
+            census, called = counted
         refuse_no_rope(census, model.config.model_type if layer is None else f"{model.config.model_type} layer {layer}",
                        allow_no_rope=allow_no_rope, notes=notes)
         say("finding the rotary functions the model calls")
@@ -351,6 +357,10 @@ def export_hf(
         if program is None:
             traced = f"full (per-kind not used: {why})"
             say(f"tracing every layer: {why}")
+            if counted is not None:  # the full trace is compared with every layer's own rotations
+                say("counting the rotations transformers performs in one eager forward")
+                with model_state_kept(model):
+                    census = eager_rotations(module, inputs)
     if program is None:
         say(f"exporting {type(model).__name__} ({kind}, {len(layout.layers)} cache layers) with torch.export")
         hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
@@ -415,6 +425,29 @@ def _describe(hook: HookState | None, fallback: str) -> str:
     return "none (no rotary function verified): plain export fused by rope_export.passes.fuse"
 
 
+def _census_per_kind(model, fam, layout, example, seed, say):
+    """(census, functions called) from one eager forward of the leading decoder layers the per-kind trace
+    traces, extended to every layer by kind (``census_by_kind``); None when the layers cannot be grouped
+    (the full census is taken, and the full trace says why). The eager forward of a 32-layer 8B model took
+    21.5 s of its per-kind export; this one runs the layers the trace runs."""
+    from rope_export.hf.stamping import census_by_kind
+
+    try:
+        kinds = layer_kinds(model, layout)
+    except NotStampable:
+        return None
+    traced = traced_count(kinds)
+    batch, seq, past = example
+    say(f"counting the rotations transformers performs in one eager forward of the {traced} leading decoder layers")
+    with model_state_kept(model), reduced(model, traced):
+        small = cache_layout(model)
+        inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
+                                   position_rank=fam.position_rank, layout=small)
+        module, inputs, *_ = _wrapper(model, None, inputs, small, fam.position_rank, seed)
+        with recorded_calls() as called:
+            census = eager_rotations(module, inputs)
+    return census_by_kind(census, kinds), called
+
 
 def _per_kind(model, fam, functions, census, layout, input_names, output_names, example, seed, opset, fallback,
               notes, verbose, say):
@@ -457,5 +490,5 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
             raise NotStampable(f"the stamped file's rotary nodes disagree with transformers ({exc})") from exc
     if not report.layers or any(w != h for w, h in report.layers.values()):
         raise NotStampable("the stamped file's rotary nodes per layer differ from transformers' rotations per layer")
-    return program, hook, (f"per-kind: {traced} of {n} decoder layers traced ({len(set(kinds))} kind(s)), "
+    return program, hook, (f"per-kind: {traced} of {n} decoder layers traced and counted ({len(set(kinds))} kind(s)), "
                            f"{n - traced} stamped ({added} nodes)")

@@ -98,6 +98,28 @@ def traced_count(kinds: list[int]) -> int:
     return 1 + max(kinds.index(k, 1) for k in set(kinds[1:]))
 
 
+def census_by_kind(census, kinds: list[int]):
+    """The census of one eager forward of the leading ``traced_count(kinds)`` layers, extended to every layer:
+    a later layer rotates what the traced layer it is stamped from rotates (the stamping's own premise), at
+    its own module path; a note says which layers were counted and which inferred. Rotations outside the
+    numbered layers are kept as counted."""
+    from dataclasses import replace
+
+    from rope_export.detect.witness import RotationCensus
+
+    traced, n = traced_count(kinds), len(kinds)
+    source = {k: next(j for j in range(1, traced) if kinds[j] == k) for k in set(kinds[traced:])}
+    sites = list(census.sites)
+    first_number = re.compile(r"(?<![^.])\d+(?![^.])")
+    for layer in range(traced, n):
+        j = source[kinds[layer]]
+        sites += [replace(site, layer=layer, module_path=first_number.sub(str(layer), site.module_path, count=1))
+                  for site in census.sites if site.layer == j]
+    note = (f"rotations counted in one eager forward of decoder layers 0-{traced - 1}; layers {traced}-{n - 1} "
+            "rotate what the traced layer of their kind rotates (per-kind)")
+    return RotationCensus(sites, [*census.notes, note])
+
+
 @contextlib.contextmanager
 def reduced(model, keep: int = 2) -> Iterator[str]:
     """The model cut to its first ``keep`` decoder layers (config too); yields the layers' qualified name."""

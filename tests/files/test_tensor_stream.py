@@ -5,6 +5,7 @@ whatever its layout (contiguous, a transposed view, torch bf16, an input file's 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -80,3 +81,66 @@ def test_an_error_on_the_writer_thread_reaches_the_caller():
         with SequentialWriter(_FullDisk()) as writer:
             for tensor in _tensors() * 4:
                 writer.write(tensor)
+
+
+def test_memory_mapped_from_a_checkpoint_is_written_then_given_back_never_losing_a_change(tmp_path):
+    import mmap
+
+    import torch
+
+    from rope_export.files import mapped
+
+    source = tmp_path / "weights.bin"
+    data = np.arange(2**20, dtype=np.float32).reshape(1024, 1024)
+    data.tofile(source)
+    with open(source, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    mapped.register(mapping, source)
+    weight = torch.frombuffer(mapping, dtype=torch.float32).view(1024, 1024)
+    weight[3, 5] = -1.0  # copy-on-write: the process's own page from now on
+    expected = data.copy()
+    expected[3, 5] = -1.0
+    out = tmp_path / "out.data"
+    with open(out, "wb") as f, SequentialWriter(f) as writer:
+        writer.write(ir.Tensor(weight.numpy().T))  # a strided view, gathered
+        writer.write(ir.Tensor(weight.numpy()))  # contiguous, written from the mapping
+    written = np.fromfile(out, dtype=np.float32)
+    np.testing.assert_array_equal(written[: 2**20].reshape(1024, 1024), expected.T)
+    np.testing.assert_array_equal(written[2**20:].reshape(1024, 1024), expected)
+    assert weight[3, 5] == -1.0 and torch.equal(weight, torch.from_numpy(expected))  # released, nothing lost
+    assert not mapped.release(*mapped.extent(weight.numpy()))  # holds a changed page: kept whole
+    assert not mapped.release(*mapped.extent(expected))  # not mapped from a checkpoint: left alone
+    with open(source, "rb") as f:
+        clean = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    mapped.register(clean, source)
+    unchanged = torch.frombuffer(clean, dtype=torch.float32).view(1024, 1024)
+    assert float(unchanged.sum()) == float(data.astype(np.float64).sum())  # every page read
+    if Path(mapped._PAGEMAP).exists():
+        assert mapped.release(*mapped.extent(unchanged.numpy()))  # given back: clean pages of the file
+    assert torch.equal(unchanged, torch.from_numpy(data))  # and read from the file again
+
+
+def test_an_unchanged_checkpoint_tensor_is_copied_or_read_from_its_file(tmp_path, monkeypatch):
+    import mmap
+
+    from rope_export.files import mapped
+
+    source = tmp_path / "weights.bin"
+    data = np.arange(3 * 2**18, dtype=np.float32)
+    data.tofile(source)
+    with open(source, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    mapped.register(mapping, source)
+    whole = np.frombuffer(mapping, np.float32)
+    weight = whole[1000: 1000 + 512 * 1024].reshape(512, 1024)  # mid-file, not page-aligned
+    copied = []
+    monkeypatch.setattr(SequentialWriter, "_external", lambda self, t, f: (copied.append(t.offset), t.tofile(f)))
+    out = tmp_path / "out.data"
+    with open(out, "wb") as f, SequentialWriter(f) as writer:
+        writer.write(ir.Tensor(weight))  # contiguous: file to file
+        writer.write(ir.Tensor(weight.T))  # strided: its range read, then gathered
+        writer.write(ir.Tensor(weight[:, ::-2]))  # negative strides too
+    assert copied == [4000]
+    expected = np.concatenate([weight.reshape(-1), weight.T.reshape(-1), weight[:, ::-2].reshape(-1)])
+    np.testing.assert_array_equal(np.fromfile(out, np.float32), expected)
+    assert mapped.file_range(*mapped.extent(weight)) == (str(source), 4000)

@@ -89,6 +89,7 @@ def test_per_kind_equals_the_full_trace_or_names_the_fallback(model_type):
     assert full.trace == "full"
     assert stamped.trace.startswith("per-kind: "), stamped.trace
     assert stamped.custom_nodes == full.custom_nodes == stamped.rotations
+    assert stamped.rotations == full.rotations  # the leading layers' census, extended by kind, counts them all
     assert [i.name for i in stamped.model.graph.input] == [i.name for i in full.model.graph.input]
     assert [o.name for o in stamped.model.graph.output] == [o.name for o in full.model.graph.output]
     # the same weights (the two-layer trace keeps equal small constants apart, so those may be more)

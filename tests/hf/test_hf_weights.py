@@ -360,3 +360,19 @@ def test_a_model_without_rope_is_refused_unless_allowed(tmp_path, capsys):
         code, stdout, err = export(capsys, "--hf", folder, "--allow-no-rope", "-o", out)
     assert code == 0 and out.exists(), err
     assert "--allow-no-rope: written anyway" in " ".join(stdout.split())
+
+
+def test_tensors_stored_in_the_dtype_asked_for_are_mapped_from_the_file_not_read(tmp_path):
+    torch.manual_seed(7)
+    AUTO.from_config(llama(), attn_implementation="eager", dtype=torch.float32).save_pretrained(tmp_path)
+    before = (tmp_path / "model.safetensors").read_bytes()
+    model, report = checkpoints.build_causal_lm(AUTO, llama(), torch.float32, weights=tmp_path)
+    assert report.loader == "safetensors" and report.mapped == report.tensors > 0 and report.converted == {}
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied parameters stay one
+    with torch.no_grad():
+        got = model(input_ids=IDS, position_ids=positions()).logits
+        assert torch.equal(got, reference_logits(tmp_path))
+        model.model.embed_tokens.weight.add_(1)  # copy-on-write: the checkpoint is never written
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    converted, report = checkpoints.build_causal_lm(AUTO, llama(), torch.float16, weights=tmp_path)
+    assert report.mapped == 0 and report.converted == {"fp32->fp16": report.tensors}
