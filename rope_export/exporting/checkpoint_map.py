@@ -1,4 +1,5 @@
-"""Parameters as views of a memory-mapped .safetensors checkpoint (``rope_export.exporting.checkpoints`` builds with it).
+"""Parameters as views of a memory-mapped .safetensors checkpoint (``rope_export.exporting.checkpoints``
+builds with it).
 
 Reading 5 GB into freshly allocated memory took 10 s of a 1B fp32 export on this machine; mapping the
 file takes none. The mapping is copy-on-write: a parameter changed in place changes the process's

@@ -12,7 +12,8 @@
   tensor stored in ``dtype`` is read into the parameter's memory, another dtype (bf16 weights
   exported as fp16, or fp32 ones) is converted in chunks of ``CHUNK_BYTES``. A .safetensors tensor
   already in ``dtype`` is not read at all: the parameter is a view of the file, memory-mapped
-  copy-on-write (``rope_export.exporting.checkpoint_map``; the writer copies it from the file, ``rope_export.files.mapped``).
+  copy-on-write (``rope_export.exporting.checkpoint_map``; the writer copies it from the file,
+  ``rope_export.files.mapped``).
   Nothing goes through float32 and no tensor exists twice. PyTorch ``pytorch_model.bin`` files
   (sharded or not) are memory-mapped one file at a time and copied into the parameters (the mapped
   pages are the file's, dropped after it).
