@@ -262,12 +262,14 @@ class _Witness(TorchDispatchMode):
                 return _Tag(kind="trig", scaled=first.scaled or second.scaled)
             if first.kind == "trig" and _is_scalar(other):
                 return first
-            if first.kind == "trig" and second.kind == "other":
+            # an activation tagged "factor" (times a constant such as Gemma's 1 + norm weight) is still an
+            # activation: times a trig value it is a term
+            if first.kind == "trig" and second.kind in ("other", "factor"):
                 trig = a if index == 0 else b
                 return _Tag(kind="term", act=act, scaled=first.scaled, factors=1, trig=trig)
             if first.kind == "term" and (_is_scalar(other) or second.kind == "trig"):
                 return first
-            if first.kind == "term" and second.kind == "other":
+            if first.kind == "term" and second.kind in ("other", "factor"):
                 return _Tag(kind="term", act=act, scaled=first.scaled, factors=first.factors + 1, trig=first.trig)
             if first.kind == "factor" and _is_scalar(other):
                 return first

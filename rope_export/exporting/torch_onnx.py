@@ -81,8 +81,9 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STEPS = {"1": "tracing (torch.export)", "2": "decomposing", "3": "translating to ONNX"}
 TORCH_MODULES = ("torch.onnx", "torch.export", "torch._export", "torch._dynamo", "onnxscript")
 MAX_LINE = 180  # the CLI adds "rope-export export: error: " and "(--debug: more)"
-META_HINT = "export inside rope_export.exporting.meta.meta_rope_hooked(model)"
-COMPLEX_HINT = "complex tensors do not export: export in rope_export.exporting.meta.meta_rope_hooked(model)"
+# export_module traces complex tables as real pairs itself; what still fails is a plain torch.onnx.export
+# of complex code or a complex input
+COMPLEX_HINT = "pass view_as_real of complex inputs, or trace under complex_as_pairs"
 DATA_HINT = "use torch.where/torch.cond, not if on tensors"
 
 
@@ -119,17 +120,15 @@ def describe_failure(exc: BaseException) -> str | None:
     target = re.search(r"target=torch\.ops\.([\w.]+)\]\(args = \((%[\w.]+), \[(%[\w.]+)\]", text)
     complex_input = "complex" in text.lower()
     indexed = target is not None and target.group(1).startswith("aten.index")
-    what = f"{_name(target.group(2))}[{_name(target.group(3))}]" if indexed else "a tensor"
+    what = f"complex {_name(target.group(2))}[{_name(target.group(3))}]" if indexed else "a complex tensor"
     data_dependent = "data-dependent" in text
     if op:
-        cause = f"{op.group(1)}.{op.group(2)}" + (f" on complex {what}" if complex_input else "") + " has no ONNX form"
+        cause = f"{op.group(1)}.{op.group(2)}" + (f" on {what}" if complex_input else "") + " has no ONNX form"
     elif complex_input:
-        cause = f"complex {what} has no ONNX form"
+        cause = f"{what} has no ONNX form"
     else:
         cause = _summary_cause(text) or _first_cause(chain[-1])
-    if complex_input and indexed:
-        hint = META_HINT
-    elif complex_input:
+    if complex_input:
         hint = COMPLEX_HINT
     elif data_dependent:
         hint = DATA_HINT

@@ -136,16 +136,43 @@ def make():
 '''
 
 
-def test_a_failure_inside_torch_onnx_is_one_line_naming_the_stage_and_the_fix(capsys, tmp_path):
-    """Meta's complex freqs_cis indexed by positions fails in torch.onnx's translation; the line used
-    to be torch's page of text (hundreds of characters, ANSI colours) called an internal error."""
+def test_metas_complex_table_indexed_by_positions_exports_through_the_cli(capsys, tmp_path):
+    """Meta's complex freqs_cis indexed by positions used to fail in torch.onnx's translation; export_module
+    now traces the complex tensors as real pairs and fuses both rotations."""
     (tmp_path / "meta_block.py").write_text(META_BLOCK)
     out = tmp_path / "out.onnx"
-    assert main(["export", "--module", f"{tmp_path / 'meta_block.py'}:make", "-o", str(out)]) == 1
+    import onnx
+
+    assert main(["export", "--module", f"{tmp_path / 'meta_block.py'}:make", "-o", str(out)]) == 0
+    model = onnx.load(out)
+    assert sum(n.op_type == "RotaryEmbedding" and n.domain == "rope_export" for n in model.graph.node) == 2
+
+
+COMPLEX_INPUT_BLOCK = '''
+import torch
+
+
+class ComplexIn(torch.nn.Module):
+    def forward(self, z, pos):
+        turn = torch.polar(torch.ones_like(pos, dtype=torch.float32), pos.float())
+        return torch.view_as_real(z * turn[..., None])
+
+
+def make():
+    return ComplexIn(), (torch.randn(2, 5, 8, dtype=torch.complex64), torch.arange(5).expand(2, 5))
+'''
+
+
+def test_a_failure_inside_torch_onnx_is_one_line_naming_the_stage_and_the_fix(capsys, tmp_path):
+    """A complex input fails in torch.onnx's translation; the line used to be torch's page of text (hundreds
+    of characters, ANSI colours) called an internal error."""
+    (tmp_path / "complex_input.py").write_text(COMPLEX_INPUT_BLOCK)
+    out = tmp_path / "out.onnx"
+    assert main(["export", "--module", f"{tmp_path / 'complex_input.py'}:make", "-o", str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "\x1b" not in err and len(err) < 220, err
-    assert err.startswith("rope-export export: error: torch.onnx failed translating to ONNX: aten.index.Tensor")
-    assert "freqs_cis[pos]" in err and "rope_export.exporting.meta.meta_rope_hooked(model)" in err
+    assert err.startswith("rope-export export: error: torch.onnx failed translating to ONNX: "), err
+    assert "complex" in err and "view_as_real" in err
     assert "internal error" not in err and not out.exists()
 
 
