@@ -19,6 +19,7 @@ import onnxruntime as ort
 import pytest
 import rope_blocks as rb
 import torch
+import vision_blocks as vb
 
 import rope_export
 from rope_export.kernels import plugin
@@ -36,9 +37,12 @@ ZOO = ("sequence_first", "token_major", "per_head_angles", "per_head_interleaved
        "per_head_pairs")
 # complex spellings (export_module: torch.onnx cannot export complex tensors); mistral is token-major
 COMPLEX = ("mistral", "mistral_partial", "per_head_complex", "heads_first", "titan_positions", "gptfast")
+# vision blocks (export_module, coordinates as input): the planted learned per-head 2-D frequencies (heads
+# folded into the batch), Qwen2-VL's token-major [N, H, D], Pixtral's cos/sin [N, D] with unsqueeze_dim=0
+VISION = ("vision_per_head", "qwen_vision", "pixtral")
 # the third-party blocks of tests/layout_blocks.py (export_module)
 THIRD_PARTY = ("megatron", "megatron_interleaved_partial", "megatron_batch_positions", "timm_mixed")
-SLOW = ("heads_first", "titan_positions", "gptfast", "per_head_stack")
+SLOW = ("heads_first", "titan_positions", "gptfast", "per_head_stack", "pixtral")
 
 
 def _twin_reason() -> str | None:
@@ -55,7 +59,19 @@ def fused(name: str) -> onnx.ModelProto:
         return fuse(rb.plain_export(name, 18))
     if name in COMPLEX:
         return rope_export.export_module(cb.block(name), rb.example()).model
+    if name in VISION:
+        block, args = _vision(name)
+        n = torch.export.Dim("n")
+        dynamic = ({0: n}, {0: n}) if name == "qwen_vision" else ({0: torch.export.Dim("batch"), 1: n}, {0: n})
+        return rope_export.export_module(block, args, dynamic_shapes=dynamic).model
     return rope_export.export_module(lb.block(name), lb.example(name)).model
+
+
+def _vision(name: str, **kwargs):
+    """(block, example) of a vision block; ``kwargs`` for the example (another batch, grid offset)."""
+    if name == "qwen_vision":
+        return vb.qwen_vision(), vb.token_major_example(**kwargs)
+    return (vb.planted("per_head") if name == "vision_per_head" else vb.pixtral()), vb.example(**kwargs)
 
 
 def cases(name: str):
@@ -63,6 +79,8 @@ def cases(name: str):
     if name in ZOO or name in COMPLEX:
         block = rb.block(name) if name in ZOO else cb.block(name)
         args = rb.example(batch=3, seq=3, offset=7, seed=9)
+    elif name in VISION:  # coordinates past the traced grid
+        block, args = _vision(name, offset=9, seed=4, **({} if name == "qwen_vision" else {"batch": 3}))
     elif name == "timm_mixed":
         block, args = lb.block(name), lb.example(name, batch=3, seed=9)
     elif name == "megatron_batch_positions":
@@ -70,7 +88,7 @@ def cases(name: str):
     else:
         block, args = lb.block(name), lb.example(name, seq=7, batch=3, seed=9)
     with torch.no_grad():
-        want = block(*args)
+        want = [t for t in torch.utils._pytree.tree_leaves(block(*args)) if isinstance(t, torch.Tensor)]
     return args, want
 
 
@@ -88,7 +106,7 @@ def run(model: onnx.ModelProto, target: str, args) -> list[np.ndarray]:
 
 def _params():
     out = []
-    for name in (*ZOO, *COMPLEX, *THIRD_PARTY):
+    for name in (*ZOO, *COMPLEX, *VISION, *THIRD_PARTY):
         for target in TARGETS:
             marks = [pytest.mark.slow] if name in SLOW else []
             if target == "trt-plugin" and _twin_reason():
