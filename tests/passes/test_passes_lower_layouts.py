@@ -104,13 +104,16 @@ def run(model: onnx.ModelProto, target: str, args) -> list[np.ndarray]:
     return session.run(None, feeds)
 
 
+def _twin_marks(target: str) -> list:
+    reason = _twin_reason() if target == "trt-plugin" else None
+    return [pytest.mark.skip(reason=reason)] if reason else []
+
+
 def _params():
     out = []
     for name in (*ZOO, *COMPLEX, *VISION, *THIRD_PARTY):
         for target in TARGETS:
-            marks = [pytest.mark.slow] if name in SLOW else []
-            if target == "trt-plugin" and _twin_reason():
-                marks.append(pytest.mark.skip(reason=_twin_reason()))
+            marks = ([pytest.mark.slow] if name in SLOW else []) + _twin_marks(target)
             out.append(pytest.param(name, target, marks=marks, id=f"{name}-{target}"))
     return out
 
@@ -137,3 +140,25 @@ def test_every_lowering_of_a_fused_layout_computes_the_block(name, target):
         err = float(np.max(np.abs(g - w)))
         # the op's fp32 tolerance at the output's scale (timm's residual stream has RMS ~5 after two blocks)
         assert TOLERANCE.at_scale_of(w).allclose(g, w), f"{name} lowered to {target}: max error {err:.3g}"
+
+
+@functools.cache
+def megatron_half() -> onnx.ModelProto:
+    (x,) = lb.example("megatron")
+    return rope_export.export_module(lb.block("megatron").half(), (x.half(),)).model
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, marks=_twin_marks(t)) for t in TARGETS])
+def test_half_precision_sequence_first_on_every_target(target):
+    """Megatron's fp16 block ([S, B, H, D] fp16, caches computed in the graph): every lowering equals the eager
+    fp16 block within the block tolerance for fp16 (matmuls round in other orders)."""
+    lowered = lower(megatron_half(), target, validate=True)
+    (x,) = lb.example("megatron", seq=7, batch=3, seed=4)
+    block = lb.block("megatron").half()
+    with torch.no_grad():
+        want = [w.float().numpy() for w in block(x.half())]
+    got = run(lowered, target, (x.half(),))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.float16
+        assert tolerance("block", "float16").at_scale_of(w).allclose(g.astype(np.float32), w), (
+            f"{target}: max error {np.max(np.abs(g.astype(np.float32) - w)):.3g}")
