@@ -31,8 +31,13 @@ interleaved pairs, so the arithmetic is no rotation).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import math
+import warnings
 
+import onnx
 import torch
 from torch import Tensor, nn
 
@@ -376,6 +381,7 @@ BLOCKS = {
     "megatron": (lambda: MegatronAttention(), megatron_example, 2, 0),
     "megatron_interleaved_partial": (lambda: MegatronAttention(True, 0.5), megatron_example, 2, 1),
     "megatron_two_layers": (lambda: MegatronAttention(layers=2), megatron_example, 4, 0),
+    "megatron_mscale": (lambda: MegatronAttention(mscale=1.2), megatron_example, 2, 0),
     "timm_mixed": (lambda: TimmMixedViT(), timm_example, 2 * DEPTH, 1),
 }
 
@@ -391,3 +397,19 @@ def block(name: str) -> nn.Module:
 
 def example(name: str, **kwargs) -> tuple[Tensor, ...]:
     return (BLOCKS.get(name) or PLANTED[name])[1](**kwargs)
+
+
+@functools.cache
+def plain_export(name: str) -> onnx.ModelProto:
+    """torch.onnx's own (dynamo) export, opset 18: Megatron's [S, B, hidden] (and position_ids [S, B]) with S
+    and B dynamic; timm's grid is fixed by its feat_shape, so only the batch is."""
+    args = example(name)
+    if name.startswith("timm"):
+        dynamic = ({0: torch.export.Dim("batch")},)
+    else:
+        seq, batch = torch.export.Dim("seq"), torch.export.Dim("batch")
+        dynamic = ({0: seq, 1: batch},) * len(args)
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(block(name), args, dynamo=True, opset_version=18, dynamic_shapes=dynamic)
+    return program.model_proto

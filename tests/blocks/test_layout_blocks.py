@@ -9,10 +9,7 @@ exactly) and timm's mixed table applied with ``half=True`` (not a rotation: refu
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
-import warnings
 
 import layout_blocks as lb
 import numpy as np
@@ -33,23 +30,6 @@ TOLERANCE = tolerance("op", "float32")  # 1e-5, times the output's RMS where tha
 @functools.cache
 def exported(name: str):
     return rope_export.export_module(lb.block(name), lb.example(name))
-
-
-@functools.cache
-def plain_export(name: str) -> onnx.ModelProto:
-    """torch.onnx's own (dynamo) export, opset 18: Megatron's [S, B, hidden] with S and B dynamic; timm's
-    grid is fixed by its feat_shape, so only the batch is."""
-    args = lb.example(name)
-    if name.startswith("timm"):
-        dynamic = ({0: torch.export.Dim("batch")},)
-    else:
-        seq, batch = torch.export.Dim("seq"), torch.export.Dim("batch")
-        dynamic = ({0: seq, 1: batch},) * len(args)
-    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(lb.block(name), args, dynamo=True, opset_version=18,
-                                    dynamic_shapes=dynamic)
-    return program.model_proto
 
 
 def rotary_attributes(model: onnx.ModelProto) -> list[dict]:
@@ -109,11 +89,11 @@ def test_megatron_sites_are_fused_sequence_first_and_timm_with_heads_folded_into
             r.detail for r in rows]
 
 
-@pytest.mark.parametrize("name", ["megatron", "megatron_interleaved_partial", "megatron_batch_positions",
-                                  "timm_mixed"])
+@pytest.mark.parametrize("name", ["megatron", "megatron_interleaved_partial", "megatron_mscale",
+                                  "megatron_batch_positions", "timm_mixed"])
 def test_fuse_of_the_plain_export(name):
     report = FusionReport()
-    fused = fuse(plain_export(name), report=report)
+    fused = fuse(lb.plain_export(name), report=report)
     nodes = (lb.BLOCKS.get(name) or lb.PLANTED[name])[2]
     assert len(rotary_attributes(fused)) == nodes and report.num_fused == nodes, report.as_text()
     assert (report.found, report.left, report.complete) == (nodes, 0, True), report.as_text()
@@ -153,7 +133,7 @@ def test_planted_timm_mixed_table_with_half_true_is_refused_with_the_reason():
     assert result.rotary_nodes == 0 and not rotary_attributes(result.model)
     assert_matches_eager(result.model, "timm_mixed_half")
     report = FusionReport()
-    fused = fuse(plain_export("timm_mixed_half"), report=report)
+    fused = fuse(lb.plain_export("timm_mixed_half"), report=report)
     assert report.num_fused == 0 and not rotary_attributes(fused), report.as_text()
     assert all(r.status == "left alone" for r in report.rows()), report.as_text()
     assert_matches_eager(fused, "timm_mixed_half")

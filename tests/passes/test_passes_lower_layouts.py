@@ -41,7 +41,8 @@ COMPLEX = ("mistral", "mistral_partial", "per_head_complex", "heads_first", "tit
 # folded into the batch), Qwen2-VL's token-major [N, H, D], Pixtral's cos/sin [N, D] with unsqueeze_dim=0
 VISION = ("vision_per_head", "qwen_vision", "pixtral")
 # the third-party blocks of tests/layout_blocks.py (export_module)
-THIRD_PARTY = ("megatron", "megatron_interleaved_partial", "megatron_batch_positions", "timm_mixed")
+THIRD_PARTY = ("megatron", "megatron_interleaved_partial", "megatron_mscale", "megatron_batch_positions",
+               "timm_mixed", "megatron:fuse", "timm_mixed:fuse")  # ":fuse": fuse of the plain torch.onnx export
 SLOW = ("heads_first", "titan_positions", "gptfast", "per_head_stack", "pixtral")
 
 
@@ -64,6 +65,8 @@ def fused(name: str) -> onnx.ModelProto:
         n = torch.export.Dim("n")
         dynamic = ({0: n}, {0: n}) if name == "qwen_vision" else ({0: torch.export.Dim("batch"), 1: n}, {0: n})
         return rope_export.export_module(block, args, dynamic_shapes=dynamic).model
+    if name.endswith(":fuse"):
+        return fuse(lb.plain_export(name.removesuffix(":fuse")))
     return rope_export.export_module(lb.block(name), lb.example(name)).model
 
 
@@ -76,6 +79,7 @@ def _vision(name: str, **kwargs):
 
 def cases(name: str):
     """(feeds as tensors, eager outputs) at batch 3: positions offset past the traced ones where an input."""
+    name = name.removesuffix(":fuse")
     if name in ZOO or name in COMPLEX:
         block = rb.block(name) if name in ZOO else cb.block(name)
         args = rb.example(batch=3, seq=3, offset=7, seed=9)
