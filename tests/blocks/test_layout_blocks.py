@@ -89,7 +89,7 @@ def test_megatron_sites_are_fused_sequence_first_and_timm_with_heads_folded_into
             r.detail for r in rows]
 
 
-@pytest.mark.parametrize("name", ["megatron", "megatron_interleaved_partial", "megatron_mscale",
+@pytest.mark.parametrize("name", ["megatron", "megatron_interleaved_partial", "megatron_mscale", "megatron_two_layers",
                                   "megatron_batch_positions", "timm_mixed"])
 def test_fuse_of_the_plain_export(name):
     report = FusionReport()
