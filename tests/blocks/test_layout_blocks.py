@@ -87,6 +87,9 @@ def test_megatron_sites_are_fused_sequence_first_and_timm_with_heads_folded_into
         rows = exported(name).fusion.rows()
         assert rows and all(r.status == "fused" and r.detail.startswith(layout) for r in rows), [
             r.detail for r in rows]
+    # Megatron's table is cos(arange(S) * inv_freq) of the input's length: computed, not a folded constant
+    assert all("as the site computes them" in r.detail for r in exported("megatron").fusion.rows())
+    assert all("constant table" in r.detail for r in exported("timm_mixed").fusion.rows())  # fixed feat_shape
 
 
 @pytest.mark.parametrize("name", ["megatron", "megatron_interleaved_partial", "megatron_mscale", "megatron_two_layers",
