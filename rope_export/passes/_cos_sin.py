@@ -414,7 +414,26 @@ def graph_trace(probe: Probe, value: ir.Value, product: ir.Value, layout: str) -
         probe.run([value], {})
     except ProbeError:
         return Trace("graph", head_axis, 3 - head_axis, base=value, product=product)
-    return Trace("graph", head_axis, 3 - head_axis, base=value, product=product, constant=True)
+    # the probe answers Shape from the traced sizes: a table made from an input's length is computed, not folded
+    return Trace("graph", head_axis, 3 - head_axis, base=value, product=product, constant=not _reads_shapes(value))
+
+
+def _reads_shapes(value: ir.Value, limit: int = 2000) -> bool:
+    """Whether ``value`` is computed from a Shape or Size of another value (the exporter's own constants
+    are not)."""
+    stack, seen = [value], set()
+    while stack and len(seen) < limit:
+        v = stack.pop()
+        if v is None or v in seen:
+            continue
+        seen.add(v)
+        node = v.producer()
+        if node is None:
+            continue
+        if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
+            return True
+        stack.extend(node.inputs)
+    return len(seen) >= limit
 
 
 def graph_per_token_value(op, tr: Trace, form: Form, pairs: bool) -> ir.Value:

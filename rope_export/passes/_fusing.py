@@ -353,8 +353,9 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
         if site.layout == "bhsd":
             out = rotary(x, 0)
         elif site.layout in FOLDED:  # an exact reshape of X to the op's tokens, and back
-            if site.layout == "thd":  # [T, H, D] -> [1, T, H*D]
-                flat = op.Reshape(op.Unsqueeze(x, _ints(op, [0])), _ints(op, [0, 0, -1]))
+            if site.layout == "thd":  # [T, H, D] -> [1, T, H*D]; H*D static, so every lowering sees the head size
+                hidden = site.heads * site.form.width if site.heads else -1
+                flat = op.Reshape(op.Unsqueeze(x, _ints(op, [0])), _ints(op, [0, 0, hidden]))
             else:  # [.., M, D] -> [N, M, D], each row its own token
                 tail = op.Slice(op.Shape(x), _ints(op, [-2]), _ints(op, [np.iinfo(np.int64).max]))
                 flat = op.Reshape(x, op.Concat(_ints(op, [-1]), tail, axis=0))
