@@ -22,7 +22,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rope_export.common import fileio, onnx_files
+from rope_export.common import fileio
+from rope_export.files import onnx_files
 from rope_export.files.onnx_files import OnnxFileError
 
 RNG = np.random.default_rng(0)
