@@ -27,6 +27,7 @@ import os
 import queue
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,7 +126,9 @@ def _transposed_chunks(array: np.ndarray, buffers: Iterator[np.ndarray],
     import torch
 
     rows, cols = array.shape  # W is cols x rows
-    source = torch.from_numpy(array.T.view(_SAME_SIZE_INT[array.dtype.itemsize]))
+    with warnings.catch_warnings():  # a read-only view (onnxscript's folded initializers): only read here
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(array.T.view(_SAME_SIZE_INT[array.dtype.itemsize]))
     row = cols * array.itemsize
     block = max(BLOCK // row, 64)
     scratch = [] if scratch is None else scratch

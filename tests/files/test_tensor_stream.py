@@ -5,6 +5,7 @@ whatever its layout (contiguous, a transposed view, torch bf16, an input file's 
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -173,3 +174,11 @@ def test_transposed_matrices_of_odd_shapes_are_written_by_blocks_byte_for_byte(m
         TorchTensor(torch.randn(96, 100, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).T),
     ]
     assert _written(tensors) == b"".join(t.tobytes() for t in tensors)
+
+
+def test_a_read_only_transposed_view_is_written_without_a_warning():
+    weight = np.arange(128 * 96, dtype=np.float16).reshape(128, 96)
+    weight.flags.writeable = False  # onnxscript's folded initializers are read-only views
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _written([ir.Tensor(weight.T)]) == weight.T.tobytes()
