@@ -37,7 +37,7 @@ import onnx_ir as ir
 from rope_export.files.mapped import extent, file_range, release
 
 CHUNK = 64 * 2**20  # bytes per write: large enough for the disk, small enough to keep two in memory
-SOURCE_LIMIT = 256 * 2**20  # a strided checkpoint tensor up to this is read into a buffer, not faulted in
+SOURCE_LIMIT = 256 * 2**20  # a transposed checkpoint matrix up to this is read into a buffer, not faulted in
 _PACKED = {ir.DataType.INT4, ir.DataType.UINT4, ir.DataType.FLOAT4E2M1, ir.DataType.INT2, ir.DataType.UINT2,
            ir.DataType.FLOAT6E2M3, ir.DataType.FLOAT6E3M2}  # fewer bits than a byte: onnx_ir packs them
 
@@ -249,12 +249,14 @@ class SequentialWriter:
                                       name="", base_dir=str(Path(path).parent))
             self._put(lambda f, t=whole: self._external(t, f))
             return
-        blocked = _is_transposed_matrix(array)  # its gather reads whole pages in order: faults are cheap
-        if source is not None and not blocked:  # read the checkpoint's range, not its mapped pages one by one
+        # read the checkpoint's range into a buffer, not its mapped pages one by one; a transposed matrix past
+        # SOURCE_LIMIT (lm_head) is gathered from the mapping instead, so the buffer stays small
+        mapped_gather = _is_transposed_matrix(array) and length > SOURCE_LIMIT
+        if source is not None and not mapped_gather:
             array = self._read_view(array, source, address, length)
         for piece in chunks(array, self._buffers(), self._scratch):
             self._put(piece)
-        if source is None or blocked:  # memory mapped from a checkpoint: its pages go back once written
+        if source is None or mapped_gather:  # memory mapped from a checkpoint: its pages go back once written
             self._put(lambda f: release(address, length))
 
     def _read_view(self, array: np.ndarray, source: tuple[str, int], address: int, length: int) -> np.ndarray:
