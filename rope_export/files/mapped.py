@@ -2,9 +2,11 @@
 
 ``rope_export.exporting.checkpoint_map.map_safetensors`` makes parameters views of a checkpoint file mapped
 copy-on-write and registers each mapping here. ``file_range`` tells ``tensor_stream`` where in the
-file an unchanged tensor's bytes are, so it copies or reads them from the file instead of faulting
-the mapped pages in (about 1 GB/s here). Once ``tensor_stream`` has written a tensor whose
-memory lies in such a mapping, it calls ``release`` on that memory: ``MADV_DONTNEED`` unmaps its
+file an unchanged tensor's bytes are, so it copies them from the file (or reads a strided one's range)
+instead of faulting the mapped pages in one by one; a transposed matrix past ``SOURCE_LIMIT`` (lm_head)
+is gathered from the mapped pages themselves, so that no buffer of its size is needed. Once
+``tensor_stream`` has written a tensor whose memory lies in such a mapping, it calls ``release`` on that
+memory: ``MADV_DONTNEED`` unmaps its
 pages from the process (the RSS falls, as a plain read into freed buffers would leave it; the
 file's pages stay in the page cache for whoever reads the checkpoint next, and a later read of a
 released page maps the file's again). A page the process changed is its own copy, which

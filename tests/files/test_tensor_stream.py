@@ -5,6 +5,7 @@ whatever its layout (contiguous, a transposed view, torch bf16, an input file's 
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -144,3 +145,40 @@ def test_an_unchanged_checkpoint_tensor_is_copied_or_read_from_its_file(tmp_path
     expected = np.concatenate([weight.reshape(-1), weight.T.reshape(-1), weight[:, ::-2].reshape(-1)])
     np.testing.assert_array_equal(np.fromfile(out, np.float32), expected)
     assert mapped.file_range(*mapped.extent(weight)) == (str(source), 4000)
+
+
+@pytest.mark.parametrize("chunk, block", [(2**26, 2**23), (4096, 2048), (1000, 64)])
+def test_transposed_matrices_of_odd_shapes_are_written_by_blocks_byte_for_byte(monkeypatch, chunk, block):
+    """The blocked transpose (``_transposed_chunks``): fp16/bf16/fp8/fp32/fp64 Linear weights seen as ``W.T``,
+    shapes that no chunk or block divides, chunks of one row (``CHUNK`` below a row) and blocks cut at a
+    chunk's end; the bytes are numpy's own ``W.T.tobytes()``."""
+    monkeypatch.setattr(tensor_stream, "CHUNK", chunk)
+    monkeypatch.setattr(tensor_stream, "BLOCK", block)
+    rng = np.random.default_rng(1)
+    f16 = rng.standard_normal((131, 67)).astype(np.float16)
+    f16[0, :3] = [np.inf, -np.nan, -0.0]  # any bit pattern goes through unchanged
+    arrays = [
+        f16.T,
+        rng.standard_normal((64, 1031)).astype(np.float16).T,
+        rng.standard_normal((1031, 64)).astype(np.float16).T,
+        rng.standard_normal((97, 301)).astype(np.float32).T,
+        rng.standard_normal((65, 66)).astype(np.float64).T,
+        rng.integers(0, 255, (200, 77), dtype=np.uint8).T,
+    ]
+    assert all(tensor_stream._is_transposed_matrix(a) for a in arrays)
+    tensors = [ir.Tensor(a) for a in arrays] + [
+        ir.Tensor(rng.standard_normal((80, 90)).astype(ml_dtypes.bfloat16).T, dtype=ir.DataType.BFLOAT16),
+        ir.Tensor(rng.standard_normal((70, 75)).astype(ml_dtypes.float8_e4m3fn).T,
+                  dtype=ir.DataType.FLOAT8E4M3FN),
+        TorchTensor(torch.randn(129, 257, generator=torch.Generator().manual_seed(2)).to(torch.float16).T),
+        TorchTensor(torch.randn(96, 100, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).T),
+    ]
+    assert _written(tensors) == b"".join(t.tobytes() for t in tensors)
+
+
+def test_a_read_only_transposed_view_is_written_without_a_warning():
+    weight = np.arange(128 * 96, dtype=np.float16).reshape(128, 96)
+    weight.flags.writeable = False  # onnxscript's folded initializers are read-only views
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _written([ir.Tensor(weight.T)]) == weight.T.tobytes()
