@@ -335,25 +335,35 @@ def gather_inputs(op, tr: Trace, x: ir.Value, name: str) -> tuple[ir.Value, ir.V
 
 # -- generic sources ---------------------------------------------------------------------------------
 
-def _table_gathers(value: ir.Value) -> list[tuple[np.ndarray, ir.Value]]:
-    """(constant table, index value) of every Gather/GatherND of a constant table on value's path."""
-    found, stack, seen = [], [value], set()
-    while stack and len(seen) < 200:
+def _walk_up(value: ir.Value, limit: int, visit) -> bool:
+    """Visit the nodes ``value`` is computed from, depth first; ``visit(node)`` returns True to stop below that
+    node. Returns whether the walk gave up at ``limit`` values (the graph may go on)."""
+    stack, seen = [value], set()
+    while stack and len(seen) < limit:
         v = stack.pop()
         if v is None or v in seen:
             continue
         seen.add(v)
         node = v.producer()
-        if node is None:
-            continue
+        if node is not None and not visit(node):
+            stack.extend(node.inputs)
+    return len(seen) >= limit
+
+
+def _table_gathers(value: ir.Value) -> list[tuple[np.ndarray, ir.Value]]:
+    """(constant table, index value) of every Gather/GatherND of a constant table on value's path."""
+    found = []
+
+    def gather(node: ir.Node) -> bool:
         if node.op_type in ("Gather", "GatherND") and node.domain in ("", "ai.onnx"):
             table = const_array(node.inputs[0])
-            if table is not None and table.ndim >= 2:
-                gathered = _gathered_index(node)
-                if gathered is not None:
-                    found.append((table, gathered))
-                    continue
-        stack.extend(node.inputs)
+            gathered = _gathered_index(node) if table is not None and table.ndim >= 2 else None
+            if gathered is not None:
+                found.append((table, gathered))
+                return True
+        return False
+
+    _walk_up(value, 200, gather)
     return found
 
 
@@ -420,20 +430,16 @@ def graph_trace(probe: Probe, value: ir.Value, product: ir.Value, layout: str) -
 
 def _reads_shapes(value: ir.Value, limit: int = 2000) -> bool:
     """Whether ``value`` is computed from a Shape or Size of another value (the exporter's own constants
-    are not)."""
-    stack, seen = [value], set()
-    while stack and len(seen) < limit:
-        v = stack.pop()
-        if v is None or v in seen:
-            continue
-        seen.add(v)
-        node = v.producer()
-        if node is None:
-            continue
+    are not); a graph too large to walk counts as reading shapes."""
+    shapes = []
+
+    def shape(node: ir.Node) -> bool:
         if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx"):
+            shapes.append(node)
             return True
-        stack.extend(node.inputs)
-    return len(seen) >= limit
+        return False
+
+    return _walk_up(value, limit, shape) or bool(shapes)
 
 
 def graph_per_token_value(op, tr: Trace, form: Form, pairs: bool) -> ir.Value:
