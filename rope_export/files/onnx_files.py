@@ -9,8 +9,9 @@ Real models have weights far past protobuf's 2 GB limit, so:
   tensor (``per-tensor``); ``auto`` (the default) keeps them inside the ``.onnx`` below
   ``EXTERNAL_DATA_THRESHOLD`` and writes ``single`` above it; ``never`` refuses a model too big
   for one file. Tensors are streamed one at a time from wherever they live (torch, an input
-  file) in large sequential writes (``rope_export.files.tensor_stream``), so writing never holds a
-  second copy of the weights. Everything is written into a
+  file) in large sequential writes past the page cache (``rope_export.files.tensor_stream``,
+  ``rope_export.files.direct``), so writing never holds a second copy of the weights. Everything is
+  written into a
   staging folder beside the target, checked there (``check=True``: onnx.checker on the path),
   then moved into place with the data before the model that names it; an error or interrupt
   removes the staging folder and leaves existing files as they were.
@@ -36,6 +37,7 @@ from rope_export.common.bounds import format_bytes
 from rope_export.common.fileio import check_writable, commit_moves, staging_dir
 from rope_export.common.steps import detail, file_sizes
 from rope_export.files import EXTERNAL_DATA
+from rope_export.files.direct import open_stream
 from rope_export.files.tensor_stream import SequentialWriter
 
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # protobuf's 2 GB limit, with room for the graph itself
@@ -257,7 +259,7 @@ def _write_external(model: ir.Model, stage: Path, model_name: str, data_name: st
     external: dict[ir.Value, ir.TensorProtocol] = {}
     if mode == "single":
         offset = 0
-        with open(stage / data_name, "wb") as f, SequentialWriter(f) as writer:
+        with open_stream(stage / data_name) as f, SequentialWriter(f) as writer:
             for i, value in enumerate(big, 1):
                 tensor = value.const_value
                 writer.write(tensor)
@@ -277,7 +279,7 @@ def _write_external(model: ir.Model, stage: Path, model_name: str, data_name: st
         for i, value in enumerate(big, 1):
             tensor = value.const_value
             file_name = _tensor_file_name(value.name or f"tensor_{i}", names)
-            with open(folder / file_name, "wb") as f, SequentialWriter(f) as writer:
+            with open_stream(folder / file_name) as f, SequentialWriter(f) as writer:
                 writer.write(tensor)
             external[value] = ir.ExternalTensor(f"{data_name}/{file_name}", 0, tensor.nbytes, tensor.dtype,
                                                 shape=tensor.shape, name=value.name, base_dir=str(stage))

@@ -10,11 +10,13 @@ the torch weight, not a copy), and tensors of an input file (``ExternalTensor``)
   reused buffers (torch's strided copy), so memory grows by three chunks whatever the tensor's size;
   a transposed matrix (``W.T`` of a Linear weight: most of a model's bytes) goes through torch's
   cache-blocked transpose, a ``BLOCK`` of ``W``'s columns at a time (``_transposed_chunks``);
-* an input file's tensor is copied file to file by onnx_ir (``copy_file_range``);
+* an input file's tensor is copied file to file (``copy_file_range`` by onnx_ir, or read straight into
+  ``DirectFile``'s buffer);
 * a tensor whose memory is mapped from a checkpoint (``rope_export.files.mapped``) gives its pages back
   once written, so the process holds about one tensor of it at a time, not the whole model.
 
-The writes run on a thread of their own while the next chunk is gathered (both release the GIL).
+The file is best a ``rope_export.files.direct.DirectFile`` (``open_stream``): past the page cache, 3-4x
+faster here. The writes run on a thread of their own while the next chunk is gathered (both release the GIL).
 An error on that thread is raised in the caller's; on any exception (KeyboardInterrupt included)
 the thread is stopped and joined before the exception goes on, so the caller's cleanup (the staging
 folder of ``onnx_files.write``) never races a write.
@@ -34,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from rope_export.files.direct import DirectFile
 from rope_export.files.mapped import extent, file_range, release
 
 CHUNK = 64 * 2**20  # bytes per write: large enough for the disk, small enough to keep two in memory
@@ -277,5 +280,8 @@ class SequentialWriter:
                           offset=array.__array_interface__["data"][0] - address, strides=array.strides)
 
     def _external(self, tensor: ir.ExternalTensor, f) -> None:
-        tensor.tofile(f)
+        if isinstance(f, DirectFile):  # read straight into its aligned buffer
+            f.copy_range(tensor.path, tensor.offset or 0, tensor.nbytes)
+        else:  # onnx_ir: copy_file_range where it can
+            tensor.tofile(f)
         self.written += tensor.nbytes

@@ -68,8 +68,10 @@ def sigint_raises():
     signal.signal(signal.SIGINT, old)
 
 
+@pytest.mark.parametrize("direct_io", ["1", "0"], ids=["past-page-cache", "page-cache"])  # files.direct
 @pytest.mark.parametrize("external", ["auto", "never", "single", "per-tensor"])
-def test_every_layout_round_trips_through_onnx_and_onnxruntime(tmp_path, external):
+def test_every_layout_round_trips_through_onnx_and_onnxruntime(tmp_path, external, direct_io, monkeypatch):
+    monkeypatch.setenv("ROPE_EXPORT_DIRECT_IO", direct_io)
     model = mlp_model()
     want = run_ort_proto(model)
     path = tmp_path / "m.onnx"
