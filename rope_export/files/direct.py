@@ -42,9 +42,22 @@ def open_stream(path: str | os.PathLike):
     return open(path, "wb", buffering=0)
 
 
+def aligned_buffer(size: int) -> np.ndarray:
+    """``size`` bytes at a page-aligned address (an anonymous mapping): a ``DirectFile`` writes a whole-block
+    piece of it straight from its memory, without gathering it into its own buffer first."""
+    return np.frombuffer(mmap.mmap(-1, size), np.uint8)
+
+
+def aligned(view: memoryview) -> bool:
+    return np.frombuffer(view, np.uint8).ctypes.data % ALIGN == 0
+
+
 class DirectFile:
     """Write-only, sequential: ``write`` copies into the aligned buffer, a full buffer goes to disk in one
-    ``pwrite``; ``copy_range`` reads a file's range straight into the buffer. ``close`` writes the rest."""
+    ``pwrite``; ``copy_range`` reads a file's range straight into the buffer. ``close`` writes the rest.
+    A piece that starts at an aligned address and file offset and spans whole blocks (a transposed weight's
+    chunk from ``aligned_buffer``, when the tensors before it were whole blocks, as a model's mostly are)
+    is written from its own memory."""
 
     def __init__(self, fd: int, path: str | os.PathLike):
         self.name, self.direct = str(path), True
@@ -63,7 +76,12 @@ class DirectFile:
         return self._offset + self._filled
 
     def write(self, data) -> int:
-        source = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        view = memoryview(data).cast("B")
+        if not self._filled and len(view) % ALIGN == 0 and aligned(view):  # e.g. a chunk of ``aligned_buffer``
+            self._pwrite(view)
+            self._offset += len(view)
+            return len(view)
+        source = np.frombuffer(view, np.uint8)
         done = 0
         while done < source.size:
             take = min(BUFFER - self._filled, source.size - done)
@@ -93,17 +111,20 @@ class DirectFile:
         """Write the buffer (padded with zeros to ALIGN; ``close`` cuts the padding off) and empty it."""
         length = -(-self._filled // ALIGN) * ALIGN
         self._buffer[self._filled: length] = 0
-        view = memoryview(self._map)[:length]
+        self._pwrite(memoryview(self._map)[:length])
+        self._offset += self._filled
+        self._filled = 0
+
+    def _pwrite(self, view: memoryview) -> None:
+        """All of ``view`` at the buffer's file offset."""
         done = 0
-        while done < length:
+        while done < len(view):
             try:
                 done += os.pwrite(self._fd, view[done:], self._offset + done)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.direct:
                     raise
                 self._buffered()  # the file system took O_DIRECT at open but not this write
-        self._offset += self._filled
-        self._filled = 0
 
     def _buffered(self) -> None:
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from rope_export.files.direct import DirectFile
+from rope_export.files.direct import DirectFile, aligned_buffer
 from rope_export.files.mapped import extent, file_range, release
 
 CHUNK = 64 * 2**20  # bytes per write: large enough for the disk, small enough to keep two in memory
@@ -233,7 +233,7 @@ class SequentialWriter:
     def _buffers(self) -> Iterator[np.ndarray]:
         """Three buffers in turn, across tensors: one being filled, one queued, one being written."""
         if self._cycle is None:
-            self._cycle = itertools.cycle([np.empty(CHUNK, np.uint8) for _ in range(3)])
+            self._cycle = itertools.cycle([aligned_buffer(CHUNK) for _ in range(3)])  # DirectFile writes them as is
         return self._cycle
 
     def write(self, tensor: ir.TensorProtocol) -> None:

@@ -123,3 +123,18 @@ def test_an_error_in_the_caller_writes_no_padded_tail(tmp_path):
         f.write(b"partial")
         raise KeyboardInterrupt
     assert f.closed and (tmp_path / "out.data").stat().st_size == 0  # the caller removes its staging folder
+
+
+@needs_direct
+def test_whole_aligned_blocks_are_written_from_their_own_memory_and_the_rest_gathered(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct, "BUFFER", 4 * ALIGN)
+    block = direct.aligned_buffer(3 * ALIGN)
+    block[:] = np.random.default_rng(3).integers(0, 256, block.size, dtype=np.uint8)
+    with _direct_file(tmp_path / "out.data") as f:
+        f.write(memoryview(block))  # aligned address, offset 0, whole blocks: straight to the file
+        assert f._filled == 0 and f.tell() == 3 * ALIGN
+        f.write(b"odd")
+        f.write(memoryview(block))  # now at an unaligned offset: gathered into the buffer
+        assert f._filled == (3 + 3 * ALIGN) % (4 * ALIGN)
+        f.write(memoryview(block)[1: ALIGN + 1])  # unaligned address
+    assert (tmp_path / "out.data").read_bytes() == block.tobytes() + b"odd" + block.tobytes() + block[1: ALIGN + 1].tobytes()
