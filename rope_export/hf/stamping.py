@@ -20,15 +20,21 @@ reason, and the caller falls back to the full trace and says so:
   view), and besides them only small constants (shapes, scalars) and values computed outside it;
 * the stamped graph's rotary nodes per layer equal the rotations transformers performs per layer
   (checked by the caller).
-Not detectable here: code that branches on ``layer_idx`` inside ``forward`` (not through an
-attribute or ``layer_types``) beyond the traced layers. Hence the opt-in; the quick zoo's tests
-compare every stamped type with its full trace.
+* no module of a layer reads its layer index in ``forward`` but to hand it to a call (the cache
+  update's ``self.layer_idx``): a branch or a value per layer would differ between a layer and its
+  copy (``layer_index_use`` reads each class's source);
+Not detectable here: a layer index reached another way (a global counter, a closure). Hence the
+opt-in; the quick zoo's tests compare every stamped type with its full trace.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
+import inspect
 import re
+import textwrap
 from collections.abc import Iterator
 
 import numpy as np
@@ -72,6 +78,27 @@ def _signature(layer: torch.nn.Module, layer_type, io) -> tuple:
     return modules, params, layer_type, tuple((s.name, s.shape, s.past_axis) for s in io.slots)
 
 
+@functools.cache
+def layer_index_use(cls: type) -> str | None:
+    """How ``cls.forward`` uses the layer index other than as a call's argument (the cache update's
+    ``self.layer_idx``): a branch or a value per layer, which a stamped copy of another layer would not
+    have; None if it does not."""
+    forward = getattr(cls, "forward", None)
+    if forward is None or forward is torch.nn.Module.forward:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return f"the source of {cls.__qualname__}.forward cannot be read"
+    arguments = {id(a) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 for a in (*node.args, *(k.value for k in node.keywords))}
+    for node in ast.walk(tree):
+        named = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if named == "layer_idx" and id(node) not in arguments:
+            return f"{cls.__qualname__}.forward reads its layer index ({ast.unparse(node)}) to compute or branch"
+    return None
+
+
 def layer_kinds(model, layout) -> list[int]:
     """Each decoder layer's kind (the index of the first layer like it); NotStampable when layers cannot
     be grouped or nothing would be gained."""
@@ -82,6 +109,10 @@ def layer_kinds(model, layout) -> list[int]:
         raise NotStampable("the cache layers are not one per decoder layer")
     if any(set(io.names()) - {"key", "value"} for io in layout.layers):
         raise NotStampable("layers with recurrent or indexer caches are traced in full so far")
+    for cls in dict.fromkeys(type(m) for m in layers.modules() if m is not layers):
+        why = layer_index_use(cls)
+        if why:
+            raise NotStampable(why)
     types = list(getattr(text_config(model.config), "layer_types", None) or [None] * len(layers))
     signatures = [_signature(layer, types[i] if i < len(types) else None, layout.layers[i])
                   for i, layer in enumerate(layers)]

@@ -10,6 +10,7 @@ is slow.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import numpy as np
@@ -114,3 +115,29 @@ def test_the_cli_says_which_trace_ran(tmp_path, capsys):
     trace = json.loads(summary.read_text())["trace"]
     assert trace.startswith("per-kind: 2 of ")
     assert f"trace: {trace}" in capsys.readouterr().out
+
+
+class _Attention:  # made a subclass of the model's own attention class in the test below
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out * (1.0 + 0.1 * self.layer_idx), weights  # a value per layer: a copy of layer 1 would be wrong
+
+
+def test_a_forward_that_computes_with_its_layer_index_is_traced_in_full():
+    model = build("olmo")
+    attention = type(model.model.layers[0].self_attn)
+    scaled = type("ScaledByLayerAttention", (_Attention, attention), {"forward": _Attention.forward})
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = scaled
+    result = hf.export_hf(model, trace="per-kind")
+    assert result.trace.startswith("full (per-kind not used: ") and "ScaledByLayerAttention.forward reads its layer index" in \
+        result.trace, result.trace
+    hf_zoo.compare_with_transformers(model, result)  # the full trace keeps each layer's own factor
+
+
+def test_the_layer_index_handed_to_the_cache_update_is_no_reason_to_trace_in_full():
+    from rope_export.hf.stamping import layer_index_use
+
+    attention = type(build("olmo").model.layers[0].self_attn)
+    assert ".update(key_states, value_states, self.layer_idx" in inspect.getsource(attention.forward)  # handed on
+    assert layer_index_use(attention) is None
