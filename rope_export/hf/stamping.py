@@ -20,6 +20,7 @@ reason, and the caller falls back to the full trace and says so:
   view), and besides them only small constants (shapes, scalars) and values computed outside it;
 * the stamped graph's rotary nodes per layer equal the rotations transformers performs per layer
   (checked by the caller).
+* the layers of one kind hold equal buffers (a copy shares its template's constants);
 * no module of a layer reads its layer index in ``forward`` but to hand it to a call (the cache
   update's ``self.layer_idx``): a branch or a value per layer would differ between a layer and its
   copy (``layer_index_use`` reads each class's source);
@@ -117,9 +118,23 @@ def layer_kinds(model, layout) -> list[int]:
     signatures = [_signature(layer, types[i] if i < len(types) else None, layout.layers[i])
                   for i, layer in enumerate(layers)]
     kinds = [signatures.index(sig) for sig in signatures]
+    _same_buffers(layers, kinds)
     if traced_count(kinds) >= len(layers):
         raise NotStampable(f"{len(set(kinds))} kinds of layers: every layer would be traced anyway")
     return kinds
+
+
+def _same_buffers(layers: torch.nn.ModuleList, kinds: list[int]) -> None:
+    """Buffers are no parameters: a copy reads its template's (a constant up to ``SHARED_LIMIT`` is shared), so
+    the layers of one kind must hold equal ones; NotStampable names a per-layer constant that differs."""
+    for i, layer in enumerate(layers):
+        first = dict(layers[kinds[i]].named_buffers())
+        for name, buffer in layer.named_buffers():
+            other = first.get(name)
+            if other is None or other.shape != buffer.shape or other.dtype != buffer.dtype or \
+                    buffer.device.type == "meta" or not torch.equal(other, buffer):
+                raise NotStampable(f"decoder layer {i}'s buffer {name} differs from layer {kinds[i]}'s (a constant "
+                                   "per layer, which a stamped copy would not have)")
 
 
 def traced_count(kinds: list[int]) -> int:

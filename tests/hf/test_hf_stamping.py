@@ -141,3 +141,16 @@ def test_the_layer_index_handed_to_the_cache_update_is_no_reason_to_trace_in_ful
     attention = type(build("olmo").model.layers[0].self_attn)
     assert ".update(key_states, value_states, self.layer_idx" in inspect.getsource(attention.forward)  # handed on
     assert layer_index_use(attention) is None
+
+
+def test_layers_whose_buffers_differ_are_traced_in_full():
+    import torch
+
+    model = build("olmo")
+    for i, layer in enumerate(model.model.layers):  # a per-layer constant that is no parameter, read in forward
+        layer.mlp.register_buffer("scale", torch.tensor(1.0 + 0.1 * i))
+        layer.mlp.forward = (lambda mlp, forward: lambda x: forward(x) * mlp.scale)(layer.mlp, layer.mlp.forward)
+    result = hf.export_hf(model, trace="per-kind")
+    assert result.trace == ("full (per-kind not used: decoder layer 1's buffer mlp.scale differs from layer 0's "
+                            "(a constant per layer, which a stamped copy would not have))"), result.trace
+    hf_zoo.compare_with_transformers(model, result)  # the full trace keeps each layer's own scale
