@@ -66,9 +66,17 @@ def decoder_layers(model) -> tuple[torch.nn.Module, str, torch.nn.ModuleList, st
     return model.get_submodule(parent_name), attribute, layers, name
 
 
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
 def _plain_attributes(module: torch.nn.Module) -> dict:
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "layer_idx"
-            and isinstance(v, (bool, int, float, str, tuple, type(None)))}
+    """Settings of a module (numbers, strings, and lists, tuples, dicts of them), layer_idx aside."""
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "layer_idx" and _plain(v)}
 
 
 def _signature(layer: torch.nn.Module, layer_type, io) -> tuple:
@@ -124,12 +132,21 @@ def layer_kinds(model, layout) -> list[int]:
     return kinds
 
 
+def _constants(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A layer's buffers and the tensors its modules hold as plain attributes (traced as constants too)."""
+    found = dict(layer.named_buffers())
+    for prefix, module in layer.named_modules():
+        found.update({f"{prefix}.{k}".lstrip("."): v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+    return found
+
+
 def _same_buffers(layers: torch.nn.ModuleList, kinds: list[int]) -> None:
-    """Buffers are no parameters: a copy reads its template's (a constant up to ``SHARED_LIMIT`` is shared), so
-    the layers of one kind must hold equal ones; NotStampable names a per-layer constant that differs."""
+    """Buffers and tensor attributes are no parameters: a copy reads its template's (a constant up to
+    ``SHARED_LIMIT`` is shared), so the layers of one kind must hold equal ones; NotStampable names a per-layer
+    constant that differs."""
     for i, layer in enumerate(layers):
-        first = dict(layers[kinds[i]].named_buffers())
-        for name, buffer in layer.named_buffers():
+        first = _constants(layers[kinds[i]])
+        for name, buffer in _constants(layer).items():
             other = first.get(name)
             if other is None or other.shape != buffer.shape or other.dtype != buffer.dtype or \
                     buffer.device.type == "meta" or not torch.equal(other, buffer):

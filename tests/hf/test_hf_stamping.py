@@ -154,3 +154,20 @@ def test_layers_whose_buffers_differ_are_traced_in_full():
     assert result.trace == ("full (per-kind not used: decoder layer 1's buffer mlp.scale differs from layer 0's "
                             "(a constant per layer, which a stamped copy would not have))"), result.trace
     hf_zoo.compare_with_transformers(model, result)  # the full trace keeps each layer's own scale
+
+
+def test_layers_whose_settings_or_tensor_attributes_differ_are_different_kinds_or_traced_in_full():
+    import torch
+
+    from rope_export.hf.stamping import NotStampable, layer_kinds
+
+    model = build("olmo")
+    layout = hf.cache_layout(model)
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.windows = [8, 16] if i == 1 else [8, 8]  # a list setting: layer 1 is a kind of its own
+    assert layer_kinds(model, layout) == [0, 1, 0, 0]
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.windows = [8, 8]
+        layer.mlp.offset = torch.tensor([float(i)])  # a tensor attribute, no buffer: traced as a constant
+    with pytest.raises(NotStampable, match="layer 1's buffer mlp.offset differs from layer 0's"):
+        layer_kinds(model, layout)
