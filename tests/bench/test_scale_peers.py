@@ -44,6 +44,20 @@ def test_ratios_against_the_builder_and_the_file_copy():
                              "peak RSS of export --hf <= onnxruntime-genai's builder's": True}
 
 
+def test_the_per_kind_row_is_compared_with_the_builder_too():
+    result = _result()
+    result["steps"].append({"step": scale_peers.PER_KIND, "seconds": 30.0, "peak_rss": 2e9})
+    q = scale.ratios(result)
+    assert q["per_kind_time_over_builder"] == pytest.approx(0.75)
+    assert q["per_kind_peak_rss_over_builder"] == pytest.approx(2 / 5.5)
+    assert q["per_kind_time_over_full"] == pytest.approx(30 / 80)
+    goals = scale.goals({"sizes": [{**result, "status": "measured", "ratios": q, "size": "1b", "shape": "s",
+                                    "dtype": "fp32"}]})
+    per_kind = {g["goal"]: round(g["measured"], 3) for g in goals if "per-kind" in g["goal"] and g["met"]}
+    assert per_kind == {"wall time of export --hf --trace per-kind <= onnxruntime-genai's builder's": 0.75,
+                        "peak RSS of export --hf --trace per-kind <= onnxruntime-genai's builder's": 0.364}
+
+
 def test_without_the_builder_or_a_data_file_no_ratio_is_made_up():
     result = _result()
     result["steps"] = [s for s in result["steps"] if s["step"] in ("plain export", "export --hf")]
