@@ -21,6 +21,7 @@ import errno
 import fcntl
 import mmap
 import os
+
 import numpy as np
 
 ALIGN = 4096  # a multiple of every logical block size (512, 4096)

@@ -137,4 +137,5 @@ def test_whole_aligned_blocks_are_written_from_their_own_memory_and_the_rest_gat
         f.write(memoryview(block))  # now at an unaligned offset: gathered into the buffer
         assert f._filled == (3 + 3 * ALIGN) % (4 * ALIGN)
         f.write(memoryview(block)[1: ALIGN + 1])  # unaligned address
-    assert (tmp_path / "out.data").read_bytes() == block.tobytes() + b"odd" + block.tobytes() + block[1: ALIGN + 1].tobytes()
+    want = block.tobytes() + b"odd" + block.tobytes() + block[1: ALIGN + 1].tobytes()
+    assert (tmp_path / "out.data").read_bytes() == want
