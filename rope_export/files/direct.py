@@ -18,7 +18,6 @@ clears ``O_DIRECT`` on the descriptor and goes on through the page cache: the by
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 
@@ -128,6 +127,8 @@ class DirectFile:
                 self._buffered()  # the file system took O_DIRECT at open but not this write
 
     def _buffered(self) -> None:
+        import fcntl  # POSIX only, as O_DIRECT
+
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
         fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_DIRECT)
         self.direct = False
