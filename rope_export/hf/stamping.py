@@ -233,6 +233,19 @@ def _layer_of(node: ir.Node, scope: re.Pattern) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _adopt_unscoped(nodes: list[ir.Node], layer_of: dict[ir.Node, int | None]) -> None:
+    """onnxscript's rewrites (two Slices into a Split, ...) make nodes without the name scope of the layer they
+    compute in (MoE routers, MLA attention). Such a node joins layer j when every value it reads that a node
+    makes is made by layer j's nodes and every node that reads its outputs is layer j's."""
+    for node in nodes:
+        if layer_of[node] is not None or any(v.is_graph_output() for v in node.outputs):
+            continue
+        makers = {layer_of.get(v.producer()) for v in node.inputs if v is not None and v.producer() is not None}
+        readers = {layer_of.get(use.node) for v in node.outputs for use in v.uses()}
+        if len(makers) == 1 and makers == readers and None not in makers:
+            layer_of[node] = makers.pop()
+
+
 def _refuse_subgraphs(node: ir.Node) -> None:
     if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
         raise NotStampable(f"{node.name} holds a subgraph")
@@ -347,6 +360,7 @@ def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str,
     scope = re.compile(re.escape(prefix) + r"\.(\d+)(?!\d)")
     nodes = list(graph)
     layer_of = {node: _layer_of(node, scope) for node in nodes}
+    _adopt_unscoped(nodes, layer_of)
     by_layer = [[n for n in nodes if layer_of[n] == j] for j in range(traced)]
     if not all(by_layer) or any(layer is not None and layer >= traced for layer in layer_of.values()):
         raise NotStampable("the traced graph's nodes carry no decoder-layer scopes for every traced layer")
@@ -366,7 +380,7 @@ def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str,
     for j in range(1, traced - 1):  # each traced layer hands on exactly what the next one reads
         if templates[j][2] is not templates[j + 1][1]:
             raise NotStampable(f"layer {j + 1} reads another value than the hidden state layer {j} hands on")
-    source = {k: next(j for j in range(1, traced) if kinds[j] == k) for k in set(kinds)}
+    source = {k: next(j for j in range(1, traced) if kinds[j] == k) for k in set(kinds[traced:])}
 
     previous = templates[traced - 1][2]
     hidden_out = previous
