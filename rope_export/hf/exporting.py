@@ -465,7 +465,8 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
     say(f"exporting {type(model).__name__} cut to {traced} of its {n} decoder layers with torch.export "
         f"({len(set(kinds))} kind(s) of layer)")
     try:
-        with model_state_kept(model), reduced(model, traced) as layers_name, hook_ctx as hook, weights_kept_apart():
+        with model_state_kept(model), reduced(model, traced) as layers_name, hook_ctx as hook, \
+                weights_kept_apart(layers_name):
             small = cache_layout(model)
             inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
                                        position_rank=fam.position_rank, layout=small)

@@ -204,26 +204,55 @@ def reduced(model, keep: int = 2) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def weights_kept_apart() -> Iterator[None]:
-    """onnxscript's optimizer merges equal small initializers (``DeduplicateInitializersPass``, up to 1024
-    elements): two layers' norm weights of ones would become one tensor, and a copy could not tell whose
-    weight it reads. Off while the two layers are traced; where it cannot be turned off, ``stamp``
-    refuses a layer that does not read each of its own parameters."""
-    try:
-        from onnx_ir.passes.common.initializer_deduplication import DeduplicateInitializersPass
-    except ImportError:
+def weights_kept_apart(layers_name: str) -> Iterator[None]:
+    """Each decoder layer's parameters stay initializers of their own while the leading layers are traced, so
+    that a copy can read another layer's in their place; else ``stamp`` refuses the layer that does not read
+    each of its parameters. Two onnxscript passes would merge or replace them:
+
+    * ``DeduplicateInitializersPass`` merges equal small initializers (up to 1024 elements): two layers' norm
+      weights of ones would become one tensor; its size limit is set to 0;
+    * constant folding (``optimize_ir``, which torch.onnx runs) folds a node whose inputs are all constants
+      into a new initializer: Gemma's ``1 + weight`` of each norm becomes a tensor no other layer's weight
+      gives; its ``should_fold`` now keeps every node but a Transpose that reads a layer's parameter (a folded
+      Transpose is a view of the parameter, which ``stamp`` takes of each layer's own; the runtime folds the
+      rest when it loads the file).
+    Either is left alone where onnx_ir or onnxscript differs from the versions this was written against."""
+    layer_parameter = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.\d+\.")
+
+    def should_fold(node: ir.Node) -> bool | None:
+        if node.op_type != "Transpose" and any(v is not None and v.is_initializer() and layer_parameter.search(v.name)
+                                               for v in node.inputs):
+            return False
+        return None
+
+    with contextlib.ExitStack() as stack:
+        try:
+            from onnx_ir.passes.common.initializer_deduplication import DeduplicateInitializersPass
+        except ImportError:
+            pass
+        else:
+            if DeduplicateInitializersPass.__init__.__defaults__ == (1024,):
+                stack.enter_context(_default_replaced(DeduplicateInitializersPass.__init__, "__defaults__", (0,)))
+        try:
+            from onnxscript.optimizer._optimizer import optimize_ir  # torch.onnx's optimize calls it, no should_fold
+        except ImportError:
+            pass
+        else:
+            defaults = optimize_ir.__kwdefaults__ or {}
+            if "should_fold" in defaults:
+                stack.enter_context(_default_replaced(optimize_ir, "__kwdefaults__",
+                                                      {**defaults, "should_fold": should_fold}))
         yield
-        return
-    init = DeduplicateInitializersPass.__init__
-    saved = init.__defaults__
-    if saved != (1024,):  # another onnx_ir: leave it alone
-        yield
-        return
-    init.__defaults__ = (0,)  # size_limit 0: every initializer is past the limit, none is merged
+
+
+@contextlib.contextmanager
+def _default_replaced(function, attribute: str, value) -> Iterator[None]:
+    saved = getattr(function, attribute)
+    setattr(function, attribute, value)
     try:
         yield
     finally:
-        init.__defaults__ = saved
+        setattr(function, attribute, saved)
 
 
 # -- stamping the traced graph ------------------------------------------------------------------

@@ -3,9 +3,8 @@
 For every exporting type of the quick zoo (``test_hf_zoo.FAST``) either the per-kind trace ran and
 its file has the full trace's rotary nodes and computes the same logits and presents on
 onnxruntime (prefill and a decode step: ``hf_zoo.compare_with_transformers`` on both files, and
-the two files' outputs side by side), or the full trace ran and the result names why. Llama (one
-kind, stamped) and Gemma 3 (sliding and full layers: the fallback) run in ``make test``; the sweep
-is slow.
+the two files' outputs side by side), or the full trace ran and the result names why. OLMo (one
+kind), Gemma 3 (two kinds) and CodeGen (the fallback) run in ``make test``; the sweep is slow.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ from test_hf_zoo import FAST, RESULTS  # noqa: E402
 from rope_export import hf  # noqa: E402
 
 EXPORTING = [t for t in FAST if RESULTS.get(t, {}).get("status") == "pass"]
-# one stamped (dense, a type with no entry of ours), one not (Gemma folds 1 + norm weight into a constant)
-QUICK = {"olmo": "per-kind", "gemma3_text": "full"}
+# in make test: a dense type with no entry of ours, Gemma 3 (sliding and full layers, 1 + norm weight left
+# unfolded while tracing), and one that falls back (its layers are no ModuleList named "layers")
+QUICK = {"olmo": "per-kind", "gemma3_text": "per-kind", "codegen": "full"}
 
 
 LAYERS = 4  # the zoo's tiny configs have 2 layers: stamping needs 3 or more
