@@ -23,6 +23,18 @@ from pathlib import Path
 _TEMP_NAME_EXTRA = len(".") + len(".data.") + 8 + len(".tmp")
 
 
+def read_range(fileno: int, offset: int, view: memoryview) -> int:
+    """Fill ``view`` with the file's bytes from ``offset`` (``preadv``, the file position untouched); returns the
+    bytes read, fewer than ``len(view)`` only where the file ends first (the caller names the error)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fileno, [view[done:]], offset + done)
+        if not n:
+            break
+        done += n
+    return done
+
+
 def check_writable(path: str | os.PathLike) -> Path:
     """The folder ``path`` would be written in; raise an OSError naming the problem if it cannot be.
 

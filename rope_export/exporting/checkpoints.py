@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from rope_export.common.bounds import check_allocation, format_bytes
+from rope_export.common.fileio import read_range
 from rope_export.common.steps import detail
 from rope_export.exporting.checkpoint_fit import predicted_loading_info
 from rope_export.exporting.checkpoint_map import map_safetensors
@@ -460,14 +461,10 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def _read_into(f, offset: int, view: memoryview, path: Path) -> None:
-    f.seek(offset)
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise CheckpointError(f"{path} ended early (read {done:,} of {len(view):,} bytes of a tensor); "
-                                  "the file is truncated")
-        done += n
+    done = read_range(f.fileno(), offset, view)
+    if done < len(view):
+        raise CheckpointError(f"{path} ended early (read {done:,} of {len(view):,} bytes of a tensor); "
+                              "the file is truncated")
 
 
 def _read_converted(f, entry: _Entry, target: torch.Tensor, buffer: bytearray, path: Path) -> bytearray:

@@ -23,6 +23,8 @@ import os
 
 import numpy as np
 
+from rope_export.common.fileio import read_range
+
 ALIGN = 4096  # a multiple of every logical block size (512, 4096)
 BUFFER = 64 * 2**20  # bytes per write: a multiple of ALIGN
 _DIRECT = getattr(os, "O_DIRECT", 0)
@@ -38,7 +40,7 @@ def open_stream(path: str | os.PathLike):
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
         else:
-            return DirectFile(fd, path)
+            return DirectFile(fd)
     return open(path, "wb", buffering=0)
 
 
@@ -59,8 +61,8 @@ class DirectFile:
     chunk from ``aligned_buffer``, when the tensors before it were whole blocks, as a model's mostly are)
     is written from its own memory."""
 
-    def __init__(self, fd: int, path: str | os.PathLike):
-        self.name, self.direct = str(path), True
+    def __init__(self, fd: int):
+        self.direct = True
         self._fd, self._offset, self._filled = fd, 0, 0  # the buffer holds bytes [offset, offset + filled)
         self._map = mmap.mmap(-1, BUFFER)  # anonymous: page-aligned
         self._buffer = np.frombuffer(self._map, np.uint8)
@@ -98,12 +100,11 @@ class DirectFile:
         with open(path, "rb", buffering=0) as f:
             while length > 0:
                 take = min(BUFFER - self._filled, length)
-                n = os.preadv(f.fileno(), [view[self._filled: self._filled + take]], offset)
-                if n <= 0:
-                    raise OSError(f"{path} ended early at byte {offset:,} while copying a tensor from it")
-                self._filled += n
-                offset += n
-                length -= n
+                if read_range(f.fileno(), offset, view[self._filled: self._filled + take]) < take:
+                    raise OSError(f"{path} ended early before byte {offset + take:,} while copying a tensor from it")
+                self._filled += take
+                offset += take
+                length -= take
                 if self._filled == BUFFER:
                     self._flush()
 

@@ -25,7 +25,6 @@ folder of ``onnx_files.write``) never races a write.
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import sys
 import threading
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from rope_export.common.fileio import read_range
 from rope_export.files.direct import DirectFile, aligned_buffer
 from rope_export.files.mapped import extent, file_range, release
 
@@ -270,12 +270,8 @@ class SequentialWriter:
         view = memoryview(self._source)[:length]
         path, offset = source
         with open(path, "rb", buffering=0) as f:
-            done = 0
-            while done < length:
-                n = os.preadv(f.fileno(), [view[done:]], offset + done)
-                if not n:
-                    raise OSError(f"{path} ended early while reading a tensor's bytes")
-                done += n
+            if read_range(f.fileno(), offset, view) < length:
+                raise OSError(f"{path} ended early while reading a tensor's bytes")
         return np.ndarray(array.shape, array.dtype, buffer=self._source,
                           offset=array.__array_interface__["data"][0] - address, strides=array.strides)
 

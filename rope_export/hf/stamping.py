@@ -126,7 +126,7 @@ def layer_kinds(model, layout) -> list[int]:
     signatures = [_signature(layer, types[i] if i < len(types) else None, layout.layers[i])
                   for i, layer in enumerate(layers)]
     kinds = [signatures.index(sig) for sig in signatures]
-    _same_buffers(layers, kinds)
+    _same_constants(layers, kinds)
     if traced_count(kinds) >= len(layers):
         raise NotStampable(f"{len(set(kinds))} kinds of layers: every layer would be traced anyway")
     return kinds
@@ -140,7 +140,7 @@ def _constants(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def _same_buffers(layers: torch.nn.ModuleList, kinds: list[int]) -> None:
+def _same_constants(layers: torch.nn.ModuleList, kinds: list[int]) -> None:
     """Buffers and tensor attributes are no parameters: a copy reads its template's (a constant up to
     ``SHARED_LIMIT`` is shared), so the layers of one kind must hold equal ones; NotStampable names a per-layer
     constant that differs."""
