@@ -16,7 +16,7 @@ import torch
 
 from rope_export.kernels import backend as kernels
 from rope_export.kernels import cuda, plugin
-from rope_export.kernels.plugin import plugin_dir
+from rope_export.kernels.libraries import plugin_dir
 from rope_export.op import reference
 from rope_export.op.tolerances import tolerance
 
