@@ -55,7 +55,7 @@ from rope_export.bench.scale_peers import (
 )
 from rope_export.check.runners import PIECE_LIMIT
 from rope_export.common.bounds import format_bytes
-from rope_export.files.onnx_files import data_path
+from rope_export.files.onnx_files import data_files
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 CHECK_PER_KIND = "check per-kind"  # rope-export check of the --trace per-kind file
@@ -268,8 +268,9 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
                     shutil.rmtree(work / "builder-cache", ignore_errors=True)
                 if name == "export --hf" and rep == 0:  # the disk's speed, on the bytes just written
                     copied = work / "copy.data"
-                    if data_path(model).is_file():
-                        step(COPY, copy_command(data_path(model), copied), [copied])
+                    data = [d for d in data_files(model) if d.is_file()]
+                    if data:
+                        step(COPY, copy_command(data[0], copied), [copied])
                         copied.unlink(missing_ok=True)
                     else:
                         steps.append({"step": COPY, "skipped": "the weights are inside the .onnx (under 2 GB)"})
@@ -350,11 +351,9 @@ def check_note(report_json: Path) -> str:
 
 
 def _remove(path: Path) -> None:
-    from rope_export.files.onnx_files import data_path
+    from rope_export.files.onnx_files import remove
 
-    data = data_path(path)
-    shutil.rmtree(data, ignore_errors=True) if data.is_dir() else data.unlink(missing_ok=True)
-    path.unlink(missing_ok=True)
+    remove(path)
 
 
 def _median(steps: list[dict], name: str, key: str) -> float | None:
