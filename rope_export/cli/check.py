@@ -1,9 +1,11 @@
-"""The ``rope-export check`` command: exit 0 when every runner agrees, 1 naming what disagrees, 2 on bad input."""
+"""The ``rope-export check`` command: exit 0 when every runner agrees, 1 naming what disagrees, 2 on bad input.
+
+The output ends with one verdict line (``PASS: 3 runners agree with transformers (2 skipped: ...)`` or ``FAIL: ...``)
+after the tables; the time and peak RSS per step are printed with ``--verbose`` and written to check.md."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from rope_export.check.names import RUNNERS
 from rope_export.cli.options import add_model_source_arguments, whole_number
@@ -74,14 +76,15 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from rope_export.check.core import check
-    from rope_export.check.report import print_report, write_reports
+    from rope_export.check.report import print_report, verdict_line, write_reports
     from rope_export.common.steps import cli_steps
     from rope_export.common.tables import console as make_console
 
     console = make_console()
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
     module = _load_module(args.module) if args.module else {}
-    with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
+    verbose = getattr(args, "verbose", False)  # the time per step: with --verbose, else in check.md only
+    with cli_steps(console, "check: time and peak RSS per step", args.summary_json, table=verbose) as progress:
         report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,
                        seed=args.seed, random_weights=bool(args.random_weights), inputs=args.inputs, batch=args.batch,
                        seq=args.seq, past=args.past,
@@ -93,12 +96,13 @@ def _run(args) -> int:
             progress.facts["weights"] = report.weights
     print_report(report, console)
     if args.report:
-        for path in write_reports(report, args.report):
+        for path in write_reports(report, args.report, progress):
             console.print(f"wrote {path}")
     if not report.passed:
-        print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
-        return 1
-    return 0
+        for line in report.failure_message().splitlines():
+            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    console.print(verdict_line(report), markup=False, highlight=False, soft_wrap=True)  # the last line, always
+    return 0 if report.passed else 1
 
 
 def _load_module(spec: str) -> dict:
