@@ -72,11 +72,11 @@ def named_files(path: str | os.PathLike) -> set[str]:
             if entry.get("location")}
 
 
-def data_name(path: Path, named: set[str] | None = None) -> str:
+def data_name(path: Path) -> str:
     """The name of the external data of a model written to ``path``: ``<name>.data``, or ``<name>.2.data`` when the
-    model now at ``path`` reads ``<name>.data`` (``named``: what it reads, when already known)."""
+    model now at ``path`` reads ``<name>.data``."""
     first, second = (path.name + suffix for suffix in SUFFIXES)
-    return second if first in (named_files(path) if named is None else named) else first
+    return second if first in named_files(path) else first
 
 
 def commit(stage: Path, path: Path, data: Path | None) -> None:

@@ -180,7 +180,7 @@ def write(model: ir.Model | onnx.ModelProto, path: str | os.PathLike, *, externa
     check_writable(path)
     weights = weight_bytes(model)
     mode = resolve_external(external, weights)
-    data = path.with_name(data_name(path)) if mode != "never" else data_path(path)
+    data = None if mode == "never" else path.with_name(data_name(path))  # the name the model there does not read
     say = progress or (lambda message: None)
     with staging_dir(path) as stage:
         _check_free_space(stage, weights, path)
@@ -197,8 +197,8 @@ def write(model: ir.Model | onnx.ModelProto, path: str | os.PathLike, *, externa
         if check:
             say(f"checking {path.name} (onnx.checker, full check, on the file)")
             check_file(stage / path.name)
-        commit(stage, path, None if mode == "never" else data)  # a reader finds the old pair or the new one
-    written = [path] + ([data] if mode != "never" else [])
+        commit(stage, path, data)  # a reader finds the old pair or the new one
+    written = [path] + ([data] if data is not None else [])
     return Written(path, mode, file_sizes(written), weights)
 
 
