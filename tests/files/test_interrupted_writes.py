@@ -15,7 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from onnx import numpy_helper
 
 HERE = Path(__file__).parent
 OLD, NEW, AFTER = "seed 1", "seed 2", "seed 3"
@@ -114,3 +116,25 @@ def test_a_killed_writes_folder_is_removed_only_when_its_process_is_gone(tmp_pat
         assert fileio.remove_abandoned(target) == [".m.onnx.abcd1234.tmp"]
         assert live.is_dir()
     assert sorted(os.listdir(tmp_path)) == [".other.onnx.abcd1234.tmp"]
+
+
+def test_a_write_that_another_replaced_meanwhile_is_refused_and_leaves_the_other(tmp_path):
+    """Two writes of one path at once: the second to finish would move its data onto the name the first one's
+    model reads; it stops instead, and the first one's pair stays whole."""
+    from test_onnx_files import listing, mlp_model, weights_of
+
+    from rope_export.files import onnx_files
+    from rope_export.files.commit import ReplacedMeanwhile
+
+    path = tmp_path / "m.onnx"
+    onnx_files.write(mlp_model(seed=1), path, external="single")
+
+    def meanwhile(message):  # called while the outer write stages its files
+        if message.startswith("writing"):
+            onnx_files.write(mlp_model(seed=2), path, external="single")
+
+    with pytest.raises(ReplacedMeanwhile, match="another process replaced it while this write was under way"):
+        onnx_files.write(mlp_model(seed=3), path, external="single", progress=meanwhile)
+    assert listing(tmp_path) == ["m.onnx", "m.onnx.2.data"]
+    want = {t.name: t for t in mlp_model(seed=2).graph.initializer}
+    assert all(np.array_equal(array, numpy_helper.to_array(want[name])) for name, array in weights_of(path).items())
