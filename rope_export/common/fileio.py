@@ -179,7 +179,7 @@ def _locked_folder(parent: Path, prefix: str) -> tuple[Path, int | None]:
     ``remove_abandoned`` may take a folder between its creation and its lock: then another is made."""
     import fcntl  # POSIX
 
-    while True:
+    for _ in range(100):
         stage = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent))
         try:
             fd = os.open(stage, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -195,6 +195,8 @@ def _locked_folder(parent: Path, prefix: str) -> tuple[Path, int | None]:
             os.close(fd)
             return stage, None
         os.close(fd)
+    raise OSError(f"cannot write beside {parent}: every new staging folder there was removed at once; is another "
+                  "process cleaning the folder?")
 
 
 def remove_abandoned(path: str | os.PathLike) -> list[str]:
