@@ -6,6 +6,7 @@ after the tables; the time and peak RSS per step are printed with ``--verbose`` 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rope_export.check.names import RUNNERS
 from rope_export.cli.options import add_model_source_arguments, whole_number
@@ -98,9 +99,9 @@ def _run(args) -> int:
     if args.report:
         for path in write_reports(report, args.report, progress):
             console.print(f"wrote {path}")
-    if not report.passed:
+    if not report.passed:  # what failed, on stderr (the report and its verdict are stdout's)
         for line in report.failure_message().splitlines():
-            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+            print(f"rope-export check: {line}", file=sys.stderr, flush=True)
     console.print(verdict_line(report), markup=False, highlight=False, soft_wrap=True)  # the last line, always
     return 0 if report.passed else 1
 
