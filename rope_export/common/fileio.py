@@ -177,8 +177,10 @@ def staging_dir(path: str | os.PathLike) -> Iterator[Path]:
 def _locked_folder(parent: Path, prefix: str) -> tuple[Path, int | None]:
     """A new folder and an open descriptor of it holding its ``flock`` (None where the file system has no flock).
     ``remove_abandoned`` may take a folder between its creation and its lock: then another is made."""
-    import fcntl  # POSIX
-
+    try:
+        import fcntl  # POSIX
+    except ImportError:  # no flock: nothing is ever taken as abandoned either
+        return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent)), None
     for _ in range(100):
         stage = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent))
         try:
@@ -203,8 +205,10 @@ def remove_abandoned(path: str | os.PathLike) -> list[str]:
     """Remove the staging folders that earlier writes of ``path`` left behind when they were killed (SIGKILL, a
     power cut: an interrupt or an error removes its own); returns their names. A folder is abandoned when no
     process holds its lock (``staging_dir``)."""
-    import fcntl  # POSIX
-
+    try:
+        import fcntl  # POSIX
+    except ImportError:
+        return []
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     pattern = re.compile(re.escape(f".{path.name}.") + r"[A-Za-z0-9_]{8}\.tmp")
