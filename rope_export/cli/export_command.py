@@ -69,10 +69,11 @@ def add_hf_arguments(parser) -> None:
                        help="override: accept only this family's rotary form (still checked numerically; a wrong "
                             "name gets the list)")
     group.add_argument("--trace", choices=HF_TRACES, default=None,
-                       help="full (default): torch.export traces every decoder layer; per-kind: trace two layers and "
-                            "stamp the second once per further layer with its weights and cache, where every layer is "
-                            "one kind and the stamped file's rotary nodes per layer match transformers' (else the full "
-                            "trace, with the reason in the summary)")
+                       help="per-kind (default): trace the leading decoder layers (two for a dense model) and stamp "
+                            "them once per further layer with its weights and cache, where the layers group into "
+                            "kinds and every stamped layer computes what transformers' own does (each run alone, "
+                            "before the file is written); else the full trace, with the reason in the summary. "
+                            "full: torch.export traces every decoder layer")
     group.add_argument("--hf-fallback", choices=HF_FALLBACKS, default="auto",
                        help="override for a model whose rotary function does not verify: plain export then fuse "
                             "(auto, the default), refuse (error), keep RoPE decomposed (plain), or skip the hook "
