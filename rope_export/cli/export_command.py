@@ -28,7 +28,8 @@ def register(subparsers) -> None:
                         help="also export the block with decomposed RoPE and report the node-count reduction")
     parser.add_argument("--verbose", action="store_true",
                         help="show torch.onnx's own messages and the libraries' FutureWarnings")
-    parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    parser.add_argument("-o", "--output", required=True,
+                        help="the .onnx file to write (missing folders above it are made)")
     add_output_arguments(parser)
     parser.add_argument("--module", metavar="SPEC", help=f"export any RoPE module instead of a preset: {FACTORY_HELP}")
     parser.add_argument("--allow-decomposed", action="store_true",
@@ -86,8 +87,11 @@ def wants_hf_export(args) -> bool:
 
 
 def run(args) -> int:
-    if wants_hf_export(args):
-        return importlib.import_module("rope_export.hf.cli").run_hf_export(args)
-    if args.module:
-        return importlib.import_module("rope_export.blocks.export").run_module_export(args)
-    return importlib.import_module("rope_export.presets.export").run_preset_export(args)
+    from rope_export.common.fileio import parent_folders_made
+
+    with parent_folders_made(args.output):  # -o new/dir/model.onnx makes new/dir (removed again if the export fails)
+        if wants_hf_export(args):
+            return importlib.import_module("rope_export.hf.cli").run_hf_export(args)
+        if args.module:
+            return importlib.import_module("rope_export.blocks.export").run_module_export(args)
+        return importlib.import_module("rope_export.presets.export").run_preset_export(args)
