@@ -31,7 +31,15 @@ from rope_export.exporting.stamping import (
 from rope_export.hf.cache_io import CausalLMWithCache, cache_layout, hf_example_inputs, hf_io_names
 from rope_export.hf.families import text_config
 from rope_export.hf.hooking import model_state_kept
-from rope_export.runtimes.layer_proof import Case, Proof, alone, prove_layers, run_stopped
+from rope_export.runtimes.layer_proof import (
+    Case,
+    LayerMismatch,
+    Proof,
+    alone,
+    numpy_of,
+    prove_layers,
+    run_stopped,
+)
 
 # (batch, seq, past) of the layer proof: past+seq 3 and 12 around the traced example's 7 ((2, 4, 3)); 12 is past the
 # quick zoo's sliding windows (4), so a sliding layer is proven past its window too
@@ -145,42 +153,40 @@ def prove_decoder_layers(program_model, model, layout, stamped: list[StampedLaye
                                 layout=layout, attention_mask=mask) for n, (b, s, p) in enumerate(PROOF_CASES)]
     fed = [_buffers(case) if kv_buffer else case for case in inputs]
     hidden = text_config(model.config).hidden_size
-    cases = [Case({name: _array(t) for name, t in zip(names, case, strict=True)}, (b, s, hidden),
+    cases = [Case({name: numpy_of(t) for name, t in zip(names, case, strict=True)}, (b, s, hidden),
                   f"past {p}, {s} new tokens") for case, (b, s, p) in zip(fed, PROOF_CASES, strict=True)]
     wrapper = CausalLMWithCache(model, layout, attention_mask=mask)
 
-    def eager(index: int, state: torch.Tensor, n: int) -> list[torch.Tensor]:
-        with alone(layers, index, state) as seen:
-            output = run_stopped(lambda: wrapper(*inputs[n]), seen, index)
+    def eager(index: int, state: torch.Tensor, n: int, weights_of: int | None = None) -> list[torch.Tensor]:
+        own = index if weights_of is None else weights_of  # whose weights and past
+        case = inputs[n] if own == index else _past_moved(inputs[n], layout, own, index, mask)
+        with alone(layers, index, state) as seen, _weights_of(layers, index, own):
+            output = run_stopped(lambda: wrapper(*case), seen, index)
         from transformers.cache_utils import Cache
 
         cache = next((v for v in (*seen["args"], *seen["kwargs"].values()) if isinstance(v, Cache)), None)
         if cache is None:
-            raise NotStampable(f"decoder layer {index} was handed no cache")
+            raise LayerMismatch(f"decoder layer {index} was handed no cache")
         presents = [_slot_tensor(cache.layers[index], slot.name) for slot in layout.layers[index].slots]
         if kv_buffer:  # the file's presents are the buffers, filled up to past+seq
             presents = [_filled(buffer, present) for buffer, present in
-                        zip(_own_buffers(fed[n], layout, index, mask), presents, strict=True)]
+                        zip(_own(fed[n], layout, own, mask), presents, strict=True)]
         return [output if isinstance(output, torch.Tensor) else output[0], *presents]
 
     def outputs(index: int) -> list[str]:
         return [f"present.{index}.{slot.name}" for slot in layout.layers[index].slots]
 
     session = None
-    if kv_buffer:
+    if kv_buffer:  # its custom nodes renamed to ai.onnx first, as the export does
         from rope_export.hf.kv_buffer import to_standard_ops
-        from rope_export.runtimes.layer_proof import ort_session
+        from rope_export.runtimes.layer_proof import ort_session, reference_session
 
         def session(proto):
-            return ort_session(proto, rename=to_standard_ops)
+            run = reference_session if next(model.parameters()).dtype == torch.bfloat16 else ort_session
+            return run(proto, rename=to_standard_ops)
     with model_state_kept(model):
         return prove_layers(program_model, stamped, kinds, layers=layers, cases=cases, eager=eager,
-                            output_names=outputs, seed=seed, progress=progress,
-                            **({"session": session} if session else {}))
-
-
-def _array(tensor: torch.Tensor):
-    return tensor.detach().contiguous().numpy()
+                            output_names=outputs, session=session, seed=seed, progress=progress)
 
 
 def _buffers(case: tuple) -> tuple:
@@ -190,9 +196,31 @@ def _buffers(case: tuple) -> tuple:
     return example_buffers(None, None, case)
 
 
-def _own_buffers(case: tuple, layout, index: int, mask: bool) -> list[torch.Tensor]:
+def _own(case: tuple, layout, index: int, mask: bool) -> list[torch.Tensor]:
+    """Decoder layer ``index``'s past tensors (or buffers) in ``case`` (``CausalLMWithCache``'s inputs)."""
     first = 2 + int(mask) + sum(len(io.slots) for io in layout.layers[:index])
     return list(case[first:first + len(layout.layers[index].slots)])
+
+
+def _past_moved(case: tuple, layout, source: int, target: int, mask: bool) -> tuple:
+    """``case`` with layer ``target``'s past replaced by layer ``source``'s."""
+    first = 2 + int(mask) + sum(len(io.slots) for io in layout.layers[:target])
+    moved = list(case)
+    moved[first:first + len(layout.layers[target].slots)] = _own(case, layout, source, mask)
+    return tuple(moved)
+
+
+@contextlib.contextmanager
+def _weights_of(layers: torch.nn.ModuleList, index: int, source: int) -> Iterator[None]:
+    """Layer ``index``'s module computes with layer ``source``'s parameters and buffers for the block."""
+    if source == index:
+        yield
+        return
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    state = dict((*layers[source].named_parameters(), *layers[source].named_buffers()))
+    with _reparametrize_module(layers[index], state):
+        yield
 
 
 def _filled(buffer: torch.Tensor, present: torch.Tensor) -> torch.Tensor:

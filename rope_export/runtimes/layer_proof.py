@@ -38,7 +38,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from rope_export.exporting.stamping import StampedLayer
+from rope_export.exporting.stamping import StampedLayer, templates_of
 from rope_export.op.tolerances import TOLERANCES
 
 INLINE_LIMIT = 4096  # bytes: a shared constant up to this is written into the layer's model, a larger one fed
@@ -178,10 +178,12 @@ class KindModel:
         self.session = session(onnx.helper.make_model(graph, opset_imports=opsets,
                                                       ir_version=program_model.ir_version))
 
-    def prepare(self, layer: StampedLayer) -> Callable[[dict[str, np.ndarray], np.ndarray], list[np.ndarray]]:
-        """For ``layer``: a function of (graph inputs by name, the hidden state) that runs it: its own weights and
-        per-layer inputs in place of the first layer's."""
+    def prepare(self, layer: StampedLayer, module: torch.nn.Module) -> Callable[[dict, np.ndarray], list[np.ndarray]]:
+        """For ``layer`` (its module ``module``): a function of (graph inputs by name, the hidden state) that runs it,
+        its own weights and per-layer inputs in place of the first layer's. LayerMismatch unless its nodes are the
+        first's (``same_structure``) and every weight it reads lies in ``module``'s parameters."""
         counterpart = same_structure(self.first, layer)
+        _weights_within(layer, [v for v in counterpart.values() if v.is_initializer()], module)
         shared = [v.name for v in counterpart if v not in self.inputs]
         if shared:  # written into the model as the first layer's, while this layer reads its own
             raise LayerMismatch(f"stamped layer {layer.index} reads its own counterpart of {shared[0]}, a constant "
@@ -196,6 +198,25 @@ class KindModel:
             feeds = {self.first.hidden_in.name: hidden, **weights, **{k: given[v] for k, v in graph.items()}}
             return self.session.run(None, feeds)
         return run
+
+
+def _weights_within(layer: StampedLayer, weights: list[ir.Value], module: torch.nn.Module) -> None:
+    """LayerMismatch unless each of ``weights`` (the layer's own initializers: a parameter, or a view of one) lies in
+    the memory of one of ``module``'s parameters: a copy reads its own layer's weights, no other layer's."""
+    from rope_export.files.mapped import extent
+
+    spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in module.parameters()]
+    for value in weights:
+        tensor = value.const_value
+        raw = tensor.raw if hasattr(tensor, "raw") else None
+        if isinstance(raw, torch.Tensor):
+            low, size = raw.data_ptr(), raw.numel() * raw.element_size()
+        elif isinstance(raw, np.ndarray):
+            low, size = extent(raw)
+        else:
+            raise LayerMismatch(f"stamped layer {layer.index}'s weight {value.name} is no tensor of the model")
+        if not any(start <= low and low + size <= end for start, end in spans):
+            raise LayerMismatch(f"stamped layer {layer.index} reads {value.name}, which is none of its own weights")
 
 
 def same_structure(first: StampedLayer, layer: StampedLayer) -> dict[ir.Value, ir.Value]:
@@ -251,37 +272,44 @@ def ort_session(model: onnx.ModelProto, rename: Callable[[onnx.ModelProto], obje
 
 def prove_layers(program_model: ir.Model, stamped: list[StampedLayer], kinds: list[int], *,
                  layers: torch.nn.ModuleList, cases: list[Case],
-                 eager: Callable[[int, torch.Tensor, int], list[torch.Tensor]],
+                 eager: Callable[..., list[torch.Tensor]],
                  output_names: Callable[[int], list[str]] | None = None,
-                 session: Callable[[onnx.ModelProto], object] = ort_session,
+                 session: Callable[[onnx.ModelProto], object] | None = None,
                  seed: int = 0, progress: Callable[[str], None] | None = None) -> Proof:
     """Every stamped layer of ``program_model`` against the model's own (see the module doc); LayerMismatch names
-    the first that differs. ``kinds``: each layer's kind (``stamping.group_layers``). ``eager(index, hidden, case)``:
-    the model's layer ``index`` on case ``case``'s inputs with ``hidden`` as its hidden state in (``alone``,
-    ``run_stopped``), as (hidden state out, *its own outputs in the order of ``StampedLayer.outputs``);
-    ``output_names(index)`` names those outputs for the messages."""
+    the first that differs. ``kinds``: each layer's kind (``stamping.group_layers``).
+    ``eager(index, hidden, case, weights_of=None)``: the model's layer ``index`` on case ``case``'s inputs with
+    ``hidden`` as its hidden state in (``alone``, ``run_stopped``), as (hidden state out, *its own outputs in the
+    order of ``StampedLayer.outputs``); with ``weights_of=L``: layer ``index``'s module computing with layer L's
+    parameters and buffers and L's own inputs (its past), at ``index``'s place. ``output_names(index)`` names the
+    outputs for the messages; ``session(model proto)``: what runs a layer's model (default: onnxruntime,
+    onnx.reference for bfloat16)."""
     say = progress or (lambda message: None)
     start = time.perf_counter()
     dtype = next(layers.parameters()).dtype
     tolerance = TOLERANCES["op"][str(dtype).removeprefix("torch.")]
+    session = session or (reference_session if dtype == torch.bfloat16 else ort_session)
     graph_order = {node: i for i, node in enumerate(program_model.graph)}
+    templates = templates_of(kinds)
     say(f"comparing each of the {len(stamped)} stamped layers with the model's own, alone, in {len(cases)} cases")
     worst, models = 0.0, {}
     with _threads(1):
         for layer in stamped:
             kind = kinds[layer.index]
-            if kind not in models:
+            first = kind not in models
+            if first:
                 models[kind] = KindModel(program_model, graph_order, layer, session)
-            run = models[kind].prepare(layer)
+            run = models[kind].prepare(layer, layers[layer.index])
             names = ["hidden state", *(output_names(layer.index) if output_names else
                                        [v.name for v in layer.outputs])]
             for n, case in enumerate(cases):
                 generator = torch.Generator().manual_seed(seed + 1000 * layer.index + n)
                 hidden = torch.randn(case.hidden_shape, generator=generator).to(dtype)
-                expected = eager(layer.index, hidden, n)
-                actual = run(case.feeds, _numpy_of(hidden))
+                expected = [numpy_of(t) for t in eager(layer.index, hidden, n)]
+                actual = run(case.feeds, numpy_of(hidden)) if first else \
+                    [numpy_of(t) for t in eager(templates[kind], hidden, n, weights_of=layer.index)]
                 for what, a, e in zip(names, actual, expected, strict=True):
-                    worst = max(worst, _compare(layer.index, what, a, _numpy_of(e), tolerance, case.label))
+                    worst = max(worst, _compare(layer.index, what, a, e, tolerance, case.label))
             _release(layers[layer.index])
     return Proof(len(stamped), len(cases), worst, time.perf_counter() - start)
 
@@ -296,8 +324,26 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def _numpy_of(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().contiguous().numpy()
+def numpy_of(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor as numpy (bfloat16 as ml_dtypes', which onnx.reference takes)."""
+    tensor = tensor.detach().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def reference_session(model: onnx.ModelProto, rename: Callable[[onnx.ModelProto], object] | None = None):
+    """onnx.reference with the rotary op (``op.onnx_op``): for bfloat16 layers, which onnxruntime's CPU provider
+    does not run."""
+    from onnx.reference import ReferenceEvaluator
+
+    from rope_export.op.onnx_op import RotaryEmbedding
+
+    if rename is not None:
+        rename(model)
+    return ReferenceEvaluator(model, new_ops=[RotaryEmbedding])
 
 
 def _release(layer: torch.nn.Module) -> None:

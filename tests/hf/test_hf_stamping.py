@@ -186,23 +186,36 @@ class _TableMLP:  # made a subclass of the model's own MLP class in the test bel
         return super().forward(x) * _LAYER_SCALE[id(self)]
 
 
-def test_a_per_layer_value_structure_cannot_see_is_caught_by_the_layer_comparison():
-    """Each layer's MLP scales its output by its own entry of a global table: the layers group into one kind and
-    the stamped graph is well formed (torch.export bakes layer 1's entry into the template, and every copy reads
-    it), so only running each stamped layer against transformers' own finds it."""
-    from rope_export.hf.stamping import layer_kinds
-
+def _table_model(scales: list[float]):
+    """The 4-layer OLMo whose layer i's MLP scales its output by ``scales[i]``, read from a global table."""
     model = build("olmo")
     mlp = type(model.model.layers[0].mlp)
     table_mlp = type("TableMLP", (_TableMLP, mlp), {"forward": _TableMLP.forward})
-    for i, layer in enumerate(model.model.layers):
+    for layer, scale in zip(model.model.layers, scales, strict=True):
         layer.mlp.__class__ = table_mlp
-        _LAYER_SCALE[id(layer.mlp)] = 1.0 + 0.25 * i
+        _LAYER_SCALE[id(layer.mlp)] = scale
+    return model
+
+
+@pytest.mark.parametrize("planted", [3, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_per_layer_value_structure_cannot_see_is_caught_by_the_layer_comparison(planted):
+    """One layer's MLP scales its output by another entry of a global table than the others: the layers group into
+    one kind and the stamped graph is well formed (torch.export bakes layer 1's entry into the template, and every
+    copy reads it), so only comparing each stamped layer with transformers' own finds it. Layer 2 is the first
+    stamped layer (run on onnxruntime), layer 3 a later one (layer 1's module run with its weights, in torch)."""
+    from rope_export.hf.stamping import layer_kinds
+
+    model = _table_model([1.0 if i != planted else 1.25 for i in range(LAYERS)])
     assert layer_kinds(model, hf.cache_layout(model)) == [0, 0, 0, 0]  # structure sees one kind
     result = hf.export_hf(model)
-    assert result.trace.startswith("full (per-kind not used: stamped layer 2's hidden state differs from the "
-                                   "model's layer 2 by "), result.trace
-    hf_zoo.compare_with_transformers(model, result)  # the full trace reads each layer's own entry
-    for layer in model.model.layers:  # the same table for every layer: the stamped file is proven and used
-        _LAYER_SCALE[id(layer.mlp)] = 1.5
-    assert hf.export_hf(model).trace.startswith("per-kind: ")
+    assert result.trace.startswith(f"full (per-kind not used: stamped layer {planted}'s hidden state differs from "
+                                   f"the model's layer {planted} by "), result.trace
+    if planted == 3:
+        hf_zoo.compare_with_transformers(model, result)  # the full trace reads each layer's own entry
+
+
+def test_a_global_table_with_one_value_for_every_layer_is_stamped():
+    model = _table_model([1.5] * LAYERS)
+    result = hf.export_hf(model)
+    assert result.trace.startswith("per-kind: "), result.trace
+    hf_zoo.compare_with_transformers(model, result)
