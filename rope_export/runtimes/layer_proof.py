@@ -4,22 +4,25 @@
 layer's weights. That is right only where a layer computes nothing but what its weights and inputs
 give: a global table, a closure, a hook or a per-layer constant nobody declared would make layer L
 differ from the copy. Structure cannot see those; numbers can. So, before the file is written,
-``prove_layers`` runs every stamped layer L of the graph alone on onnxruntime and the model's own
-layer L eagerly, on the same random hidden state and the same graph inputs, for each of the front
-end's cases (a decoder: two cache lengths, one on each side of the traced example's), and holds
-the hidden state out and the layer's own outputs (a decoder's presents) to the op tolerance of the
-dtype (``rope_export.op.tolerances``); the first layer beyond it raises ``LayerMismatch`` naming the
+``prove_layers`` runs the model's own layer L eagerly for every stamped layer (``alone``: the model's
+own forward with every layer before L handing its hidden state on unchanged, L given a random hidden
+state, the forward stopped after L, so L gets what the model hands it: masks by layer type,
+per-layer inputs) and compares it with what the file computes for L, for each of the front end's
+cases (a decoder: two cache lengths, one on each side of the traced example's), the hidden state out
+and the layer's own outputs (a decoder's presents) held to the op tolerance of the dtype
+(``rope_export.op.tolerances``). The first layer beyond it raises ``LayerMismatch`` naming the
 layer, the output, the error and the case, and the front end traces in full.
 
-The file's layer: a model of the first stamped layer of each kind (``KindModel``: its nodes, the
-nodes outside the layers that compute what it reads, i.e. cos/sin, masks and shapes, and its
-weights and every larger constant fed as inputs, so it holds no weights), on which each later
-layer of that kind runs with its own weights and per-layer inputs after ``same_structure`` has
-found its nodes the first's node by node, reading the same shared values (the stamped copy's
-nodes, not assumed). The eager layer: ``alone`` runs the model's own forward with every layer
-before L handing its hidden state on unchanged, L given the random hidden state, and the forward
-stopped after L, so L gets what the model hands it (masks by layer type, per-layer inputs) and
-nothing else runs.
+What the file computes for L: for the first stamped layer of each kind, its own nodes run alone on
+onnxruntime (``KindModel``: those nodes, the nodes outside the layers that compute what they read,
+i.e. cos/sin, masks and shapes, and the layer's weights and every larger constant fed as inputs, so
+the model holds no weights; onnx.reference for bfloat16), which proves the traced template's graph.
+For a later layer of the kind, whose nodes ``same_structure`` finds to be the first's node by node
+(reading the same shared values, and weights that lie in its own parameters), the template's module
+computing with L's weights and past at the template's place (the front end's ``eager(...,
+weights_of=L)``): what the copy computes, in torch. onnxruntime's CPU provider converts fp16 weights
+fed as inputs on every run (0.7-0.9 s per 2048x8192 MatMul on a busy machine), so running every layer
+there would cost about a minute for a 1B fp16 model.
 
 Memory: one layer's weights at a time (a mapped checkpoint's pages given back after each layer,
 ``rope_export.files.mapped``); torch and onnxruntime on one thread (a few tokens: a second thread

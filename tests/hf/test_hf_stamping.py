@@ -219,3 +219,30 @@ def test_a_global_table_with_one_value_for_every_layer_is_stamped():
     result = hf.export_hf(model)
     assert result.trace.startswith("per-kind: "), result.trace
     hf_zoo.compare_with_transformers(model, result)
+
+
+def _masked_outputs(result: hf.HFExportResult, kv_buffer: bool) -> list[np.ndarray]:
+    """The file on a batch whose first row starts with two padding tokens (past 4, 3 new tokens; with a KV buffer
+    each past in a buffer two longer than past+seq)."""
+    run = hf_zoo.runner(result.model)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, hf_zoo.VOCAB, (hf_zoo.BATCH, 3))
+    mask = np.ones((hf_zoo.BATCH, 7), dtype=np.int64)
+    mask[0, :2] = 0
+    past = [rng.standard_normal(shape).astype(np.float32) for io in result.layout.layers for shape in io.shapes(
+        hf_zoo.BATCH, 4)]
+    if kv_buffer:
+        past = [np.concatenate([p, np.zeros((*p.shape[:2], 5, p.shape[3]), np.float32)], axis=2) for p in past]
+    return run([ids, hf_zoo.positions(result.family.position_rank, 4, 3).numpy(), mask, *past])
+
+
+@pytest.mark.parametrize("kv_buffer", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_files_with_an_attention_mask_or_a_kv_buffer_are_stamped_and_equal_the_full_trace(kv_buffer):
+    """What package genai --hf exports: an attention_mask input (and with --kv-buffer, buffers updated in place)."""
+    model = build("olmo")
+    stamped = hf.export_hf(model, attention_mask=True, kv_buffer=kv_buffer)
+    assert stamped.trace.startswith("per-kind: 2 of 4 decoder layers"), stamped.trace
+    full = hf.export_hf(model, attention_mask=True, kv_buffer=kv_buffer, trace="full")
+    assert [i.name for i in stamped.model.graph.input] == [i.name for i in full.model.graph.input]
+    for a, b in zip(_masked_outputs(full, kv_buffer), _masked_outputs(stamped, kv_buffer), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
