@@ -1,13 +1,13 @@
 """``rope-export export --hf CONFIG``: what the ``export`` command runs when any of its transformers options is
-given (the options: ``rope_export.cli.export_command``, which imports neither torch nor transformers)."""
+given (the options: ``rope_export.cli.export``, which imports neither torch nor transformers)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rope_export.exporting.checkpoints import weights_fact
+from rope_export.hf.checkpoints import weights_fact
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.exporting import export_hf
+from rope_export.hf.export import export_hf
 from rope_export.hf.families import HF_FAMILIES
 from rope_export.hf.loading import build_hf_model, weights_beside
 from rope_export.hf.versions import said_when_untested
