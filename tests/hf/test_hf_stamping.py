@@ -210,8 +210,6 @@ def test_a_per_layer_value_structure_cannot_see_is_caught_by_the_layer_compariso
     result = hf.export_hf(model)
     assert result.trace.startswith(f"full (per-kind not used: stamped layer {planted}'s hidden state differs from "
                                    f"the model's layer {planted} by "), result.trace
-    if planted == 3:
-        hf_zoo.compare_with_transformers(model, result)  # the full trace reads each layer's own entry
 
 
 def test_a_global_table_with_one_value_for_every_layer_is_stamped():
