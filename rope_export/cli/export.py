@@ -26,7 +26,8 @@ def register(subparsers) -> None:
                         help="also export the block with decomposed RoPE and report the node-count reduction")
     parser.add_argument("--verbose", action="store_true",
                         help="show torch.onnx's own messages and the libraries' FutureWarnings")
-    parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    parser.add_argument("-o", "--output", required=True,
+                        help="the .onnx file to write (missing folders above it are made)")
     add_output_arguments(parser)
     parser.add_argument("--module", metavar="SPEC", help=f"export any RoPE module instead of a preset: {FACTORY_HELP}")
     parser.add_argument("--allow-decomposed", action="store_true",
@@ -59,10 +60,11 @@ def add_hf_arguments(parser) -> None:
                        help="override: accept only this family's rotary form (still checked numerically; a wrong "
                             "name gets the list)")
     group.add_argument("--trace", choices=HF_TRACES, default=None,
-                       help="full (default): torch.export traces every decoder layer; per-kind: trace two layers and "
-                            "stamp the second once per further layer with its weights and cache, where every layer is "
-                            "one kind and the stamped file's rotary nodes per layer match transformers' (else the full "
-                            "trace, with the reason in the summary)")
+                       help="per-kind (default): trace the leading decoder layers (two for a dense model) and stamp "
+                            "them once per further layer with its weights and cache, where the layers group into "
+                            "kinds and every stamped layer computes what transformers' own does (each run alone, "
+                            "before the file is written); else the full trace, with the reason in the summary. "
+                            "full: torch.export traces every decoder layer")
     group.add_argument("--hf-fallback", choices=HF_FALLBACKS, default="auto",
                        help="override for a model whose rotary function does not verify: plain export then fuse "
                             "(auto, the default), refuse (error), keep RoPE decomposed (plain), or skip the hook "
@@ -75,14 +77,17 @@ def wants_hf_export(args) -> bool:
 
 
 def run(args) -> int:
-    args.seed = 0 if args.seed is None else args.seed  # check reads "not given" as the file's own seed; export: 0
-    if wants_hf_export(args):
-        from rope_export.cli.export_hf import run_hf_export
+    from rope_export.common.fileio import parent_folders_made
 
-        return run_hf_export(args)
-    if args.module:
-        return run_module_export(args)
-    return run_preset_export(args)
+    args.seed = 0 if args.seed is None else args.seed  # check reads "not given" as the file's own seed; export: 0
+    with parent_folders_made(args.output):  # -o new/dir/model.onnx makes new/dir (removed again if the export fails)
+        if wants_hf_export(args):
+            from rope_export.cli.export_hf import run_hf_export
+
+            return run_hf_export(args)
+        if args.module:
+            return run_module_export(args)
+        return run_preset_export(args)
 
 
 def run_preset_export(args) -> int:

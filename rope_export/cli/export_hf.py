@@ -62,7 +62,7 @@ def run_hf_export(args) -> int:
                            allow_no_rope=bool(args.allow_no_rope), opset=args.opset,
                            attention_mask=bool(args.attention_mask), kv_buffer=bool(args.kv_buffer),
                            external=args.external_data, weights=None if weights is None else str(weights),
-                           seed=args.seed, trace=args.trace or "full", progress=progress,
+                           seed=args.seed, trace=args.trace or "per-kind", progress=progress,
                            verbose=args.verbose)
         progress.facts["trace"] = result.trace  # which path ran, for --summary-json as for the line below
         progress.add_files(output_files(args.output))
