@@ -123,6 +123,13 @@ def test_data_flows_down_the_layers():
     assert upward_imports(import_graph()) == []
 
 
+def test_finding_rotations_and_running_files_need_no_graph_pass():
+    # detect/ and runtimes/ read files and runs; the op's node identities live in op/, not in a lowering rule
+    crossing = [f"{m} -> {t}" for m, targets in import_graph().items() for t in targets
+                if package_of(m) in ("detect", "runtimes") and package_of(t) == "passes"]
+    assert crossing == []
+
+
 def test_the_layer_rule_finds_an_upward_import():
     graph = {"rope_export.files.onnx_files": {"rope_export.exporting.core"},
              "rope_export.exporting.core": {"rope_export.files.onnx_files"},

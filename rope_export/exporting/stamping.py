@@ -25,7 +25,7 @@ reason, and the caller falls back to the full trace and says so:
   update's ``self.layer_idx``): a branch or a value per layer would differ between a layer and its
   copy (``layer_index_use`` reads each class's source).
 What structure cannot see (a layer index reached another way: a global table, a closure, a hook)
-numbers can: ``rope_export.runtimes.layer_proof.prove_layers`` runs every stamped layer against the
+numbers can: ``rope_export.hf.layer_proof.prove_layers`` runs every stamped layer against the
 front end's own eager layer before the file is written.
 
 A front end uses it so (``rope_export.hf.per_kind`` for transformers' decoders)::

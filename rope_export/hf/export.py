@@ -57,9 +57,9 @@ from rope_export.hf.counting import count_and_compare, eager_rotations, refuse_n
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, family_of, text_config
 from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
+from rope_export.hf.layer_proof import LayerMismatch
 from rope_export.hf.metadata import hf_metadata
 from rope_export.hf.stamping import census_per_kind, layer_kinds, prove_decoder_layers, reduced
-from rope_export.runtimes.layer_proof import LayerMismatch
 
 # --hf-fallback: what happens when no rotary function verifies. "auto" (default): plain export, then
 # fuse. "error": refuse. "plain": no hook and no fusion (RoPE stays decomposed, said as a warning).

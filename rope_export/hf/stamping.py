@@ -6,7 +6,7 @@ What is particular to a decoder: its layers are the one ``ModuleList`` named ``l
 key/value pair per layer is stamped (recurrent and indexer caches: the full trace so far); the
 model is cut with its config (``reduced``); the rotations are counted in an eager forward of the
 traced layers and extended by kind (``census_per_kind``); and every stamped layer is proven against
-transformers' own (``prove_decoder_layers``: ``rope_export.runtimes.layer_proof`` with the model's
+transformers' own (``prove_decoder_layers``: ``rope_export.hf.layer_proof`` with the model's
 forward run on ``CausalLMWithCache``'s inputs at two cache lengths, one on each side of the traced
 example's past+seq; with a KV buffer, the buffers holding that past).
 """
@@ -31,7 +31,7 @@ from rope_export.exporting.stamping import (
 from rope_export.hf.cache_io import CausalLMWithCache, cache_layout, hf_example_inputs, hf_io_names
 from rope_export.hf.families import text_config
 from rope_export.hf.hooking import model_state_kept
-from rope_export.runtimes.layer_proof import (
+from rope_export.hf.layer_proof import (
     Case,
     LayerMismatch,
     Proof,
@@ -179,7 +179,7 @@ def prove_decoder_layers(program_model, model, layout, stamped: list[StampedLaye
     session = None
     if kv_buffer:  # its custom nodes renamed to ai.onnx first, as the export does
         from rope_export.hf.kv_buffer import to_standard_ops
-        from rope_export.runtimes.layer_proof import ort_session, reference_session
+        from rope_export.hf.layer_proof import ort_session, reference_session
 
         def session(proto):
             run = reference_session if next(model.parameters()).dtype == torch.bfloat16 else ort_session

@@ -1,4 +1,4 @@
-"""rope_export.hf.stamping (and exporting.stamping, runtimes.layer_proof): the default ``export_hf``, per-kind,
+"""rope_export.hf.stamping (and exporting.stamping, hf.layer_proof): the default ``export_hf``, per-kind,
 against the full trace.
 
 For every exporting type of the quick zoo (``test_hf_zoo.FAST``) either the per-kind trace ran and
