@@ -28,7 +28,7 @@ What structure cannot see (a layer index reached another way: a global table, a 
 numbers can: ``rope_export.hf.layer_proof.prove_layers`` runs every stamped layer against the
 front end's own eager layer before the file is written.
 
-A front end uses it so (``rope_export.hf.per_kind`` for transformers' decoders)::
+A front end uses it so (``rope_export.hf.stamping`` for transformers' decoders)::
 
     kinds = group_layers(layers)                       # NotStampable: trace in full
     traced = traced_count(kinds)
