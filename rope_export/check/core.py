@@ -251,6 +251,9 @@ def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits
     if options.inputs:
         cases = user_cases(list(options.inputs), mf)
         described = f"the user's feeds ({', '.join(map(str, options.inputs))})"
+    elif hasattr(ref, "own_cases"):  # a task file's reference knows its inputs (check.task_reference)
+        cases, case_notes, described = ref.own_cases(mf, plan)
+        subject.notes += case_notes
     else:
         cases, case_notes = stress_cases(mf, plan, limits.memory)
         subject.notes += case_notes

@@ -404,7 +404,10 @@ def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weigh
         if choice.note:
             notes.append(choice.note)
         try:
-            ref = TransformersReference(mf, hf_info, hf_config or hf_info.config, choice.folder)
+            kind = TransformersReference
+            if hf_info.kind == "hf-task":  # another task than the causal LM (rope_export.hf.tasks)
+                from rope_export.check.task_reference import TaskReference as kind
+            ref = kind(mf, hf_info, hf_config or hf_info.config, choice.folder)
             ref.weights_source = choice.to_dict()
             return ref
         except _NoReference as why:
