@@ -34,6 +34,7 @@ from rope_export.check.runners import (
     make_runner,
     run_cases,
 )
+from rope_export.check.task_reference import TaskReference
 from rope_export.common.bounds import format_bytes
 from rope_export.exporting.core import DTYPES
 from rope_export.op.tolerances import against_pytorch, for_layers, tolerance
@@ -190,7 +191,7 @@ def _reference(subject: _Subject, options: CheckOptions, limits: Limits):
             reference_path=options.reference, hf_config=options.hf_config,
             weights=None if options.weights is None else str(options.weights), seed=options.seed,
             random_weights=options.random_weights, reference_block=options.reference_block,
-            precision=options.precision, limits=limits)
+            precision=options.precision, limits=limits, task_reference=TaskReference)
     subject.notes += notes
     if mf.contrib_ops:
         subject.notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest "

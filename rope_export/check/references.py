@@ -371,14 +371,15 @@ class GoldenRunnerReference(Reference):
 def choose_reference(mf: ModelFile, *, source: str | None, preset: PresetInfo | None, hf_info: HFInfo | None,
                      reference_path=None, hf_config=None, weights=None, seed: int | None = None,
                      random_weights: bool = False, reference_block=None, precision: str = "auto",
-                     limits: Limits) -> tuple[Reference, list[str]]:
+                     limits: Limits, task_reference: type | None = None) -> tuple[Reference, list[str]]:
     """The reference for this file and flags, and notes for the report.
 
     ``precision``: of a transformers causal LM's layer-streamed reference: "fp32", "fp64", "none" (one run in the
-    file's dtype), or "auto" (fp32 for a half-precision file, else none)."""
+    file's dtype), or "auto" (fp32 for a half-precision file, else none). ``task_reference``: the reference of
+    a file of another task (``check.task_reference.TaskReference``)."""
     notes: list[str] = []
     ref = _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, random_weights,
-                  reference_block, limits)
+                  reference_block, limits, task_reference)
     ref.weight_bytes = mf.weight_bytes
     if isinstance(ref, TransformersReference) and not ref.layer_kind:
         if precision == "auto":
@@ -390,7 +391,7 @@ def choose_reference(mf: ModelFile, *, source: str | None, preset: PresetInfo | 
 
 
 def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, random_weights,
-            reference_block, limits) -> Reference:
+            reference_block, limits, task_reference=None) -> Reference:
     if reference_path is not None:
         return OnnxFileReference(mf, reference_path, limits)
     if hf_config is not None or (source == "transformers" and hf_info is not None):
@@ -404,9 +405,8 @@ def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weigh
         if choice.note:
             notes.append(choice.note)
         try:
-            kind = TransformersReference
-            if hf_info.kind == "hf-task":  # another task than the causal LM (rope_export.hf.tasks)
-                from rope_export.check.task_reference import TaskReference as kind
+            # a file of another task than the causal LM (rope_export.hf.tasks): check.task_reference
+            kind = task_reference if hf_info.kind == "hf-task" and task_reference else TransformersReference
             ref = kind(mf, hf_info, hf_config or hf_info.config, choice.folder)
             ref.weights_source = choice.to_dict()
             return ref

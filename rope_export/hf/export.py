@@ -413,7 +413,7 @@ def counted_and_written(onnx_model: onnx.ModelProto, program, model, census, fam
     description = _describe(hook, fallback)
     say("comparing the eager rotations with the file's rotary nodes")
     report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
-                               notes=notes)
+                               notes=notes, stacklevel=4)
     props = hf_metadata(model, fam, hook_description=description,
                         interleaved=hook.interleaved if hook is not None else False, **metadata)
     props |= {METADATA_PREFIX + key: value for key, value in

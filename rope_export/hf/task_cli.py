@@ -38,8 +38,11 @@ def run_task_export(args, choice: TaskChoice) -> int:
         progress.facts["weights"] = weights_fact(weights, args.seed)
         progress.facts["task"] = task.name
         progress(f"building {choice.model_class} from {args.hf} ({choice.reason})")
-        model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed, random_weights=weights is None,
-                               progress=progress, model_class=choice.build_class)
+        try:
+            model = build_hf_model(args.hf, weights, dtype=args.dtype, seed=args.seed,
+                                   random_weights=weights is None, progress=progress, model_class=choice.build_class)
+        except HFExportError as exc:
+            raise _with_head_hint(exc, args.hf, choice) from None
         result = export_task(model, task, output, family=args.hf_family, fallback=args.hf_fallback,
                              allow_decomposed=getattr(args, "allow_decomposed", False),
                              allow_no_rope=bool(args.allow_no_rope), opset=args.opset,
@@ -78,3 +81,16 @@ def _print_files(console, result, model, choice: TaskChoice, dtype: str) -> None
         console.print(table)
     for note in result.notes:
         console.print(f"note: {note}", soft_wrap=True, markup=False, highlight=False)
+
+
+def _with_head_hint(exc: HFExportError, folder, choice: TaskChoice) -> HFExportError:
+    """A checkpoint of another head than ``--task``'s class (a masked-LM checkpoint exported as its base model)
+    does not fit it; the error says so and how to export it."""
+    from rope_export.hf.loading import load_hf_config
+
+    saved = next(iter(getattr(load_hf_config(folder), "architectures", None) or []), None)
+    if "does not fit" not in str(exc) or saved in (None, choice.model_class):
+        return exc
+    return HFExportError(f"{exc} ({folder} holds a {saved} checkpoint: as {choice.task.name} ({choice.model_class}) "
+                         "its head's tensors are left over, which rope-export refuses; export it as saved (drop "
+                         "--task), or save the model you want with save_pretrained)")
