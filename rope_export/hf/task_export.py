@@ -109,10 +109,7 @@ def export_task(model, task: str | Task, output: str | os.PathLike | None = None
         files = []
         for index, (component, census) in enumerate(zip(components, censuses, strict=True)):
             say(f"exporting {type(model).__name__}'s {component.name} ({task.name}) with torch.export")
-            program, hook = traced_and_fused(model, component.module, component.inputs, component.dynamic_shapes(),
-                                             component.input_names, component.output_names, census=census,
-                                             layout=component.layout, **options)
-            same_at_other_sizes(program, model, task, index, component, seed, say, layers=len(census.plain) // 2)
+            program, hook = _traced(model, task, index, component, census, seed, options)
             proto = graph_proto(program)
             name_dims(proto, component)
             extra = {"task": task.name, "component": component.name, "task_dims": json.dumps(component.dims)}
@@ -126,6 +123,29 @@ def export_task(model, task: str | Task, output: str | os.PathLike | None = None
             _write_manifest(place(None), task, files)
     path = None if output is None else Path(output)
     return TaskExportResult(task.name, fam, [_moved(f, path, len(files)) for f in files], path, notes)
+
+
+def _traced(model, task: Task, index: int, component: Component, census, seed: int, options: dict):
+    """(program, hook) of one component, proven transformers at other sizes (``same_at_other_sizes``). A hooked
+    trace that is not (a rotary function whose replacement fits the probe's shapes, not this call's) is traced
+    again without the hook, and what it left decomposed fused (``rope_export.passes.fuse``), with a note."""
+    def trace(functions):
+        program, hook = traced_and_fused(model, component.module, component.inputs, component.dynamic_shapes(),
+                                         component.input_names, component.output_names, census=census,
+                                         layout=component.layout, **{**options, "functions": functions})
+        same_at_other_sizes(program, model, task, index, component, seed, options["say"],
+                            layers=len(census.plain) // 2)
+        return program, hook
+
+    if not options["functions"]:
+        return trace([])
+    try:
+        return trace(options["functions"])
+    except HFExportError as hooked:
+        options["say"](f"the hooked {component.name} is not transformers at other sizes: tracing it without the hook")
+        program, hook = trace([])
+        options["notes"].append(f"{component.name}: traced without the rotary hook, then fused ({hooked})")
+        return program, hook
 
 
 def same_at_other_sizes(program, model, task: Task, index: int, component: Component, seed: int, say,

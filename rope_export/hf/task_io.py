@@ -27,7 +27,10 @@ from rope_export.hf.families import text_config
 # The sizes of the example a component is traced with (and check's cases start from).
 EXAMPLE_DIMS = {"batch": 2, "seq": 8, "past": 3, "samples": 3200, "frames": 64, "encoder_seq": 8}
 MAX_DIM = 2**20
-AUDIO_BINS = ("num_mel_bins", "feature_size", "input_feat_per_channel", "num_mel_filters", "n_mels")
+# the audio features' size per frame, by the config field that holds it (wav2vec2-bert stacks two frames of its
+# feature_size: feature_projection_input_dim is what its input has), in the config or a sub-config (Parakeet's)
+AUDIO_BINS = ("feature_projection_input_dim", "num_mel_bins", "feature_size", "input_feat_per_channel",
+              "num_mel_filters", "n_mels")
 
 
 @dataclass
@@ -78,10 +81,14 @@ def forward_takes(module: nn.Module, name: str) -> bool:
 
 
 def _bins(config) -> int:
+    from transformers import PretrainedConfig
+
+    configs = [config, *(v for v in vars(config).values() if isinstance(v, PretrainedConfig))]
     for name in AUDIO_BINS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
+        for one in configs:
+            value = getattr(one, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
     raise HFExportError(f"{config.model_type}: the config names no feature size ({', '.join(AUDIO_BINS)}), so the "
                         "audio features' shape is unknown")
 

@@ -113,6 +113,13 @@ def tasks_of(model_type: str) -> list[str]:
     return [name for name, task in TASKS.items() if classes(task, model_type)]
 
 
+def task_of_class(class_name: str, model_type: str) -> Task | None:
+    """The task whose mapping holds ``class_name`` for ``model_type``, a head's task before the base model's
+    (transformers' AutoModel maps some types to a head class: parakeet_ctc to ParakeetForCTC)."""
+    order = [t for t in TASKS.values() if t.name != "feature-extraction"] + [TASKS["feature-extraction"]]
+    return next((task for task in order if class_name in classes(task, model_type)), None)
+
+
 def _has_causal_lm(model_type: str) -> bool:
     return model_type in MODEL_TYPES or bool(classes(TASKS[CAUSAL_LM], model_type))
 
@@ -133,9 +140,9 @@ def select_task(config, task: str | None = None) -> TaskChoice:
         chosen = architecture if architecture in found else found[0]
         return TaskChoice(TASKS[task], chosen, f"--task {task}")
     if architecture is not None:
-        for candidate in TASKS.values():
-            if architecture in classes(candidate, model_type):
-                return TaskChoice(candidate, architecture, f"architectures: {architecture}")
+        found = task_of_class(architecture, model_type)
+        if found is not None:
+            return TaskChoice(found, architecture, f"architectures: {architecture}")
         if hasattr(transformers, architecture) and not _has_causal_lm(model_type):
             raise HFExportError(
                 f"the config's architectures names {architecture}, which no task of rope-export builds (tasks: "
@@ -147,6 +154,7 @@ def select_task(config, task: str | None = None) -> TaskChoice:
         found = classes(TASKS[name], model_type)
         if found:
             why = f"architectures {architecture} is not a transformers class" if architecture else "no architectures"
-            return TaskChoice(TASKS[name], found[0], f"implied by model_type {model_type!r} ({why})")
+            return TaskChoice(task_of_class(found[0], model_type), found[0],
+                              f"implied by model_type {model_type!r} ({why})")
     raise HFExportError(f"model_type {model_type!r}: transformers {transformers.__version__} has no class for any "
                         f"task rope-export exports ({', '.join(TASKS)})")

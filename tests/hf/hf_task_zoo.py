@@ -14,6 +14,7 @@ lowering, against transformers' forward rebuilt from the file's metadata, on pad
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from transformers import AutoConfig
 
 from rope_export import hf
 from rope_export.hf.task_export import export_task
-from rope_export.hf.tasks import CAUSAL_LM, IMPLIED, TASKS, TaskChoice, classes
+from rope_export.hf.tasks import CAUSAL_LM, IMPLIED, TASKS, TaskChoice, classes, task_of_class
 
 # fields of encoders, decoders, audio and vision towers, shrunk where a (sub-)config has them
 TASK_SHRINK = {
@@ -40,6 +41,7 @@ TASK_SHRINK = {
 OVERRIDES: dict[str, dict] = {
     "esm": dict(position_embedding_type="rotary", pad_token_id=1, mask_token_id=2),
     "moonshine": dict(partial_rotary_factor=0.5, pad_token_id=0),
+    "wav2vec2-conformer": dict(position_embeddings_type="rotary"),
     "modernbert": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
 }
 
@@ -87,23 +89,62 @@ def candidates() -> set[str]:
 
 def excluded_by_rule(model_type: str) -> str | None:
     """Why the task zoo does not hold a candidate type (None: it does)."""
-    from transformers.models.auto import modeling_auto
 
     if classes(TASKS[CAUSAL_LM], model_type) and model_type not in ENCODERS_WITH_A_CAUSAL_HEAD:
         return "a causal LM: export --hf's default path; the causal-LM zoo holds it or says why not"
     if zoo_task(model_type) is None:
         return "no transformers class of a task rope-export exports (its classes are for other heads)"
-    seq2seq = any(classes(TASKS[name], model_type) for name in ("speech-to-text", "text2text-generation"))
-    if not seq2seq and any(model_type in getattr(modeling_auto, m) for m in MULTIMODAL):
+    if _vision_language(model_type):
         return "a vision-language model (image-text-to-text): the multi-component VLM export (issue 37)"
+    wrapper = _towers().get(model_type)
+    if wrapper is not None:
+        return f"a tower of the vision-language model {wrapper}: the multi-component VLM export (issue 37)"
     return None
+
+
+def _vision_language(model_type: str) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    seq2seq = any(classes(TASKS[name], model_type) for name in ("speech-to-text", "text2text-generation"))
+    return not seq2seq and any(model_type in getattr(modeling_auto, m) for m in MULTIMODAL)
+
+
+@functools.cache
+def _towers() -> dict[str, str]:
+    """Sub-config model types (vision, text, audio towers) of the vision-language models -> that model."""
+    from transformers.models.auto import modeling_auto
+
+    found = {}
+    for mapping in MULTIMODAL:
+        for wrapper in getattr(modeling_auto, mapping):
+            if not _vision_language(wrapper):
+                continue
+            try:
+                values = AutoConfig.for_model(wrapper).to_dict()
+            except Exception:  # noqa: BLE001, S112 - a wrapper whose default config does not build names no tower
+                continue
+            for value in values.values():
+                if isinstance(value, dict) and isinstance(value.get("model_type"), str):
+                    found.setdefault(value["model_type"], wrapper)
+    return found
+
+
+def zoo_types() -> list[str]:
+    return sorted(t for t in candidates() if excluded_by_rule(t) is None)
+
+
+def excluded() -> dict[str, str]:
+    """Every candidate the zoo leaves out -> why."""
+    return {t: why for t in sorted(candidates()) if (why := excluded_by_rule(t)) is not None}
 
 
 def zoo_task(model_type: str) -> str | None:
     """The task a config of the type without architectures exports as (``tasks.select_task``), the causal LM aside:
-    speech-to-text, text-to-text, the base model, else the first task transformers has a class of it for."""
+    speech-to-text, text-to-text, the base model (or the head AutoModel maps it to), else the first task
+    transformers has a class of it for."""
     order = [*IMPLIED, *(name for name in TASKS if name not in IMPLIED and name != CAUSAL_LM)]
-    return next((name for name in order if classes(TASKS[name], model_type)), None)
+    found = next((classes(TASKS[name], model_type)[0] for name in order if classes(TASKS[name], model_type)), None)
+    return None if found is None else task_of_class(found, model_type).name
 
 
 # -- one type -----------------------------------------------------------------------------------
@@ -152,7 +193,8 @@ def check_type(model_type: str, folder: Path | None = None) -> TaskZooResult:
         try:
             config = tiny_config(model_type)
             task = TASKS[zoo_task(model_type)]
-            choice = TaskChoice(task, classes(task, model_type)[0], "the task zoo")
+            found = [c for name in (*IMPLIED, task.name) for c in classes(TASKS[name], model_type)]
+            choice = TaskChoice(task, next(c for c in found if c in classes(task, model_type)), "the task zoo")
             result.task = task.name
             model = hf.build_hf_model(config, random_weights=True, model_class=choice.build_class)
         except Exception as exc:  # noqa: BLE001 - the zoo records every outcome

@@ -1,0 +1,78 @@
+"""The task zoo: every RoPE model type of transformers that is not a causal LM, exported with default flags.
+
+For each type (``hf_task_zoo.zoo_types``: rotary code in its modeling file, outside the causal-LM
+zoo, not a vision-language model) a tiny random-weight model of the task its config implies is
+exported and every file checked against transformers on padded batches (``hf_task_zoo.check_type``).
+Whether a type rotates at all is the eager census's call (``export_task`` refuses one that performs
+no rotation). What each type does is recorded in ``hf_task_zoo_results.json`` and every test checks
+its type against that record, as the causal-LM zoo does: a pass must keep passing the same way, a
+refusal keep its reason, an expected failure is ``xfail(strict=True)``.
+
+``make test`` runs ``FAST`` (one type of each kind); the others are marked ``slow``.
+``make hf-task-zoo`` re-records every type and re-renders the table in docs/tasks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import hf_task_zoo  # noqa: E402
+from hf_task_zoo_table import BEGIN, DOC, END, RESULTS, render  # noqa: E402
+from hf_zoo_table import doc_table, load_results  # noqa: E402
+
+RECORDED = load_results(RESULTS)
+
+FAST = (
+    "t5gemma",  # a text encoder-decoder: encoder.onnx and decoder.onnx with its cache
+)
+
+
+def _param(model_type: str):
+    marks = [] if model_type in FAST else [pytest.mark.slow]
+    recorded = RECORDED.get(model_type)
+    if recorded is not None and recorded["status"] == "fail":
+        marks.append(pytest.mark.xfail(strict=True, reason=recorded["reason"]))
+    return pytest.param(model_type, marks=marks, id=model_type)
+
+
+def _record(result: hf_task_zoo.TaskZooResult) -> None:
+    path = os.environ.get("HF_TASK_ZOO_RECORD")
+    if path:
+        with open(path, "a") as sink:
+            sink.write(json.dumps(result.as_dict()) + "\n")
+
+
+@pytest.mark.parametrize("model_type", [_param(t) for t in hf_task_zoo.zoo_types()])
+def test_task_zoo_type_exports_and_checks_as_recorded(model_type, tmp_path):
+    result = hf_task_zoo.check_type(model_type, tmp_path)
+    _record(result)
+    recorded = RECORDED.get(model_type)
+    assert recorded is not None, f"{model_type} has no recorded result: run make hf-task-zoo"
+    if recorded["status"] == "refused":
+        assert (result.status, result.reason) == ("refused", recorded["reason"])
+        return
+    assert result.status == "pass", result.reason  # an expected failure fails here (xfail strict)
+    assert (result.task, result.files, result.rotary_nodes, result.how) == \
+        (recorded["task"], recorded["files"], recorded["rotary_nodes"], recorded["how"])
+    assert result.rotary_nodes == result.rotations > 0
+
+
+def test_every_candidate_is_in_the_zoo_or_left_out_with_its_reason():
+    candidates = hf_task_zoo.candidates()
+    zoo, excluded = set(hf_task_zoo.zoo_types()), hf_task_zoo.excluded()
+    assert zoo | set(excluded) == candidates and not zoo & set(excluded)
+    assert {"modernbert", "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "esm", "moonshine",
+            "t5gemma"} <= zoo
+    assert all(why for why in excluded.values())
+
+
+def test_every_zoo_type_is_recorded_and_the_docs_table_is_rendered_from_the_records():
+    assert sorted(RECORDED) == hf_task_zoo.zoo_types(), "run make hf-task-zoo to record the zoo"
+    assert doc_table(Path(DOC).read_text(), BEGIN, END) == render(RECORDED, hf_task_zoo.excluded()), \
+        "docs/tasks.md's zoo table is not the one rendered from tests/hf/hf_task_zoo_results.json: run make hf-task-zoo"
