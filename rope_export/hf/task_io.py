@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rope_export.hf.cache_io import CacheLayout, _layer_io, make_cache, returned_cache
+from rope_export.hf.cache_io import CacheLayout, _layer_io, cache_keyword, make_cache, returned_cache
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import text_config
 
@@ -217,8 +217,8 @@ class DecoderWithCache(nn.Module):
             encoder_outputs = self.encoder_output(last_hidden_state=hidden, attention_mask=mask)
         else:
             encoder_outputs, kwargs["attention_mask"] = self.encoder_output(last_hidden_state=hidden), mask
-        return self.model(decoder_input_ids=input_ids, encoder_outputs=encoder_outputs,
-                          cache=EncoderDecoderCache(self_cache, DynamicCache()), use_cache=True, **kwargs)
+        kwargs[cache_keyword(self.model.forward)] = EncoderDecoderCache(self_cache, DynamicCache())
+        return self.model(decoder_input_ids=input_ids, encoder_outputs=encoder_outputs, use_cache=True, **kwargs)
 
 
 def encoder_decoder(model: nn.Module, outputs: tuple[str, ...], dims: dict[str, int] | None = None,

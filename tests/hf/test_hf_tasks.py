@@ -30,6 +30,10 @@ MODERNBERT = dict(TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_toke
 
 
 def _config(model_type, **extra):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:  # an older transformers (make test-oldest)
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     return transformers.AutoConfig.for_model(model_type, **extra)
 
 
