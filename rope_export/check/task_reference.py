@@ -67,7 +67,7 @@ class TaskReference(Reference):
 
         from rope_export import hf
         from rope_export.hf.tasks import TaskChoice
-        from rope_export.runtimes.runners import to_numpy, to_torch
+        from rope_export.runtimes.contract_runners import to_numpy, to_torch
 
         say(f"building {self.label}")
         try:

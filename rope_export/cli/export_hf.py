@@ -43,7 +43,7 @@ def run_hf_export(args) -> int:
             )
     choice = task_choice(args)
     if choice.task.name != CAUSAL_LM:  # an encoder, embedder, speech or encoder-decoder model (rope_export.hf.tasks)
-        from rope_export.hf.task_cli import run_task_export
+        from rope_export.cli.export_task import run_task_export
 
         return run_task_export(args, choice)
     check_output_writable(Path(args.output))  # before the minutes of building and tracing

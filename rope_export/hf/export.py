@@ -55,7 +55,7 @@ from rope_export.hf.cache_io import (
 from rope_export.hf.counting import count_and_compare, eager_rotations, refuse_no_rope
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, family_of, text_config
-from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
+from rope_export.hf.hooking import HookState, model_state_kept, rotary_hooked, verified_functions
 from rope_export.hf.metadata import hf_metadata
 from rope_export.hf.stamping import NotStampable, layer_kinds, reduced, stamp, traced_count, weights_kept_apart
 
@@ -337,12 +337,7 @@ def export_hf(
         refuse_no_rope(census, model.config.model_type if layer is None else f"{model.config.model_type} layer {layer}",
                        allow_no_rope=allow_no_rope, notes=notes)
         say("finding the rotary functions the model calls")
-        functions = [] if fallback in ("plain", "fuse") else detect(model, fam, called)
-    if not functions and fam.forced and fallback not in ("plain", "fuse"):
-        raise forced_failure(model, fam)
-    if not functions and fallback == "error":
-        raise HFExportError(f"no function {type(model).__name__} calls verifies as a rotary form, and "
-                            "fallback='error' was asked; drop it to export plain and fuse")
+        functions = verified_functions(model, fam, called, fallback)
     program, traced = None, "full"
     if trace == "per-kind":
         why = ("--layer" if layer is not None else "--attention-mask" if attention_mask else

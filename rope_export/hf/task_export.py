@@ -6,8 +6,8 @@ The steps are ``export_hf``'s, per file (component) of the task:
 2. the rotations transformers performs in one eager forward of each (``count_rotations``), and the rotary
    functions the model's code called, found and verified (``rope_export.detect``);
 3. each component traced with those functions routed through the op, what no hook reached fused
-   (``exporting.traced_and_fused``), its rotary nodes compared with its eager rotations, metadata, the
-   atomic write (``exporting.counted_and_written``).
+   (``export.traced_and_fused``), its rotary nodes compared with its eager rotations, metadata, the
+   atomic write (``export.counted_and_written``).
 
 A task of one component writes ``output`` (an .onnx file); a task of several writes the folder
 ``output`` with one ``NAME.onnx`` per component, whole or not at all (staged beside it, then moved).
@@ -28,9 +28,9 @@ from rope_export.detect.functions import recorded_calls
 from rope_export.exporting.core import DTYPES, check_opset, graph_proto
 from rope_export.hf.counting import eager_rotations, refuse_no_rope
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.exporting import FALLBACKS, counted_and_written, traced_and_fused
+from rope_export.hf.export import FALLBACKS, counted_and_written, traced_and_fused
 from rope_export.hf.families import HFFamily, family_of
-from rope_export.hf.hooking import detect, forced_failure, model_state_kept
+from rope_export.hf.hooking import model_state_kept, verified_functions
 from rope_export.hf.task_io import Component
 from rope_export.hf.task_patches import trace_patched
 from rope_export.hf.tasks import CAUSAL_LM, TASK_KIND, TASKS, Task
@@ -96,12 +96,7 @@ def export_task(model, task: str | Task, output: str | os.PathLike | None = None
             censuses = [eager_rotations(c.module, c.inputs) for c in components]
         refuse_no_rope(_joined(censuses), model.config.model_type, allow_no_rope=allow_no_rope, notes=notes)
         say("finding the rotary functions the model calls")
-        functions = [] if fallback in ("plain", "fuse") else detect(model, fam, called)
-    if not functions and fam.forced and fallback not in ("plain", "fuse"):
-        raise forced_failure(model, fam)
-    if not functions and fallback == "error":
-        raise HFExportError(f"no function {type(model).__name__} calls verifies as a rotary form, and "
-                            "fallback='error' was asked; drop it to export plain and fuse")
+        functions = verified_functions(model, fam, called, fallback)
     metadata = dict(dtype=dtype_name, kind=TASK_KIND, weights=weights, seed=seed, layer=None)
     options = dict(fam=fam, functions=functions, opset=opset, fallback=fallback, notes=notes, verbose=verbose, say=say)
     with _destination(output, task) as place, trace_patched(model) as patched:

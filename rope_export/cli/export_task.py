@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rope_export.exporting.checkpoints import weights_fact
+from rope_export.hf.checkpoints import weights_fact
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.loading import build_hf_model, chosen_weights
 from rope_export.hf.tasks import TaskChoice
