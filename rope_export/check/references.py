@@ -113,24 +113,30 @@ def _config_from(source):
                          f"be read: {exc}") from None
 
 
+def transformers_config(config_source, weights: str | None):
+    """(config, position limit, vocabulary size) of a transformers reference, its weights folder there; a
+    CheckError naming the fix without transformers."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise CheckError("comparing with transformers needs it installed: pip install 'rope-export[hf]'; or "
+                         "compare with --reference OTHER.onnx") from None
+    if weights is not None and not Path(weights).is_dir():
+        raise CheckError(f"the weights folder {weights} (recorded in the file or given with --weights) is not "
+                         "there; pass --weights DIR with the model's *.safetensors")
+    config = _config_from(config_source)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    # the position limit: for a file without metadata
+    return config, limit if isinstance(limit, int) and limit > 0 else None, getattr(text, "vocab_size", None)
+
+
 class TransformersReference(Reference):
     """The causal LM (or one attention layer) of transformers, with past keys/values from the feeds."""
 
     def __init__(self, mf: ModelFile, info: HFInfo, config_source, weights: str | None):
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            raise CheckError("comparing with transformers needs it installed: pip install 'rope-export[hf]'; or "
-                             "compare with --reference OTHER.onnx") from None
-        if weights is not None and not Path(weights).is_dir():
-            raise CheckError(f"the weights folder {weights} (recorded in the file or given with --weights) is not "
-                             "there; pass --weights DIR with the model's *.safetensors")
         self.info, self.weights = info, weights
-        self.config = _config_from(config_source)
-        text = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
-        limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-        self.position_limit = limit if isinstance(limit, int) and limit > 0 else None  # for a file without metadata
-        self.vocab = getattr(text, "vocab_size", None)
+        self.config, self.position_limit, self.vocab = transformers_config(config_source, weights)
         self.layer_kind = info.kind == "hf-attention"
         where = "random weights, seed " + str(info.seed) if weights is None else f"weights {weights}"
         self.label = f"transformers {type(self.config).__name__.removesuffix('Config')} ({info.dtype}, {where})"

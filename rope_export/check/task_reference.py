@@ -23,7 +23,7 @@ import numpy as np
 from rope_export.check.inputs import Case
 from rope_export.check.metadata import HFInfo
 from rope_export.check.model_file import CheckError, ModelFile, free_memory
-from rope_export.check.references import Reference, _config_from, _require_int64_positions
+from rope_export.check.references import Reference, _require_int64_positions, transformers_config
 
 END_CASE_LIMIT = 1024  # an encoder's end-of-positions case runs a whole sequence of that many tokens at most
 LENGTH_INPUTS = {"input_ids": "seq", "input_values": "samples", "input_features": "frames"}
@@ -33,11 +33,10 @@ class TaskReference(Reference):
     """transformers' model of the file's task, running the file's component eagerly."""
 
     def __init__(self, mf: ModelFile, info: HFInfo, config_source, weights: str | None):
-        try:
-            from rope_export.hf.tasks import TASKS
-        except ImportError:
-            raise CheckError("comparing with transformers needs it installed: pip install 'rope-export[hf]'; or "
-                             "compare with --reference OTHER.onnx") from None
+        self.config, self.position_limit, self.vocab = transformers_config(config_source, weights)
+        from rope_export.hf.task_io import MAX_DIM
+        from rope_export.hf.tasks import TASKS, classes
+
         meta = mf.metadata
         self.task = TASKS.get(meta.get("task", ""))
         self.component = meta.get("component", "")
@@ -49,12 +48,15 @@ class TaskReference(Reference):
         except (ValueError, TypeError, AttributeError):
             raise CheckError(f"{mf.label}: metadata rope_export.task_dims is not a table of sizes; re-export the "
                              "file") from None
+        if any(not 0 <= size <= MAX_DIM for size in self.dims.values()):
+            raise CheckError(f"{mf.label}: metadata rope_export.task_dims {self.dims} holds a size outside [0, "
+                             f"{MAX_DIM}]; re-export the file")
         self.info, self.weights, self.architecture = info, weights, meta.get("hf_architecture")
-        self.config = _config_from(config_source)
-        text = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
-        limit = getattr(text, "max_position_embeddings", None)
-        self.position_limit = limit if isinstance(limit, int) and limit > 0 else None
-        self.vocab = getattr(text, "vocab_size", None)
+        known = classes(self.task, self.config.model_type)
+        if self.architecture not in known:
+            raise CheckError(f"{mf.label}: metadata rope_export.hf_architecture {self.architecture!r} is not a "
+                             f"{self.task.name} class of {self.config.model_type!r} ({', '.join(known) or 'none'});"
+                             " re-export the file")
         where = "random weights, seed " + str(info.seed) if weights is None else f"weights {weights}"
         self.label = (f"transformers {self.architecture} ({self.task.name}, {self.component}; {info.dtype}, "
                       f"{where})")

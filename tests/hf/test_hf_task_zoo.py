@@ -14,8 +14,6 @@ refusal keep its reason, an expected failure is ``xfail(strict=True)``.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_task_zoo  # noqa: E402
 from hf_task_zoo_table import BEGIN, DOC, END, RESULTS, render  # noqa: E402
+from hf_zoo import record, zoo_param  # noqa: E402
 from hf_zoo_table import doc_table, load_results  # noqa: E402
 
 RECORDED = load_results(RESULTS)
@@ -33,25 +32,10 @@ FAST = (
 )
 
 
-def _param(model_type: str):
-    marks = [] if model_type in FAST else [pytest.mark.slow]
-    recorded = RECORDED.get(model_type)
-    if recorded is not None and recorded["status"] == "fail":
-        marks.append(pytest.mark.xfail(strict=True, reason=recorded["reason"]))
-    return pytest.param(model_type, marks=marks, id=model_type)
-
-
-def _record(result: hf_task_zoo.TaskZooResult) -> None:
-    path = os.environ.get("HF_TASK_ZOO_RECORD")
-    if path:
-        with open(path, "a") as sink:
-            sink.write(json.dumps(result.as_dict()) + "\n")
-
-
-@pytest.mark.parametrize("model_type", [_param(t) for t in hf_task_zoo.zoo_types()])
+@pytest.mark.parametrize("model_type", [zoo_param(t, FAST, RECORDED) for t in hf_task_zoo.zoo_types()])
 def test_task_zoo_type_exports_and_checks_as_recorded(model_type, tmp_path):
     result = hf_task_zoo.check_type(model_type, tmp_path)
-    _record(result)
+    record(result, "HF_TASK_ZOO_RECORD")
     recorded = RECORDED.get(model_type)
     assert recorded is not None, f"{model_type} has no recorded result: run make hf-task-zoo"
     if recorded["status"] == "refused":

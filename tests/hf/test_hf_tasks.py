@@ -102,25 +102,47 @@ def modernbert_folder(tmp_path_factory):
     return folder
 
 
-def test_a_modernbert_masked_lm_folder_exports_and_checks_against_transformers(modernbert_folder, tmp_path, capsys):
-    out = tmp_path / "mlm.onnx"
+@pytest.fixture(scope="module")
+def mlm_file(modernbert_folder, tmp_path_factory):
+    """``rope-export export --hf`` of the masked-LM folder, with what it printed."""
+    out = tmp_path_factory.mktemp("mlm") / "mlm.onnx"
     assert cli.main(["export", "--hf", str(modernbert_folder), "-o", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert f"weights from {modernbert_folder}" in printed and "fill-mask" in printed
+    return out
+
+
+def test_a_modernbert_masked_lm_folder_exports_and_checks_against_transformers(modernbert_folder, mlm_file):
     import onnx
 
-    model = onnx.load(out, load_external_data=False)
+    model = onnx.load(mlm_file, load_external_data=False)
     meta = {p.key.removeprefix("rope_export."): p.value for p in model.metadata_props}
-    assert (meta["task"], meta["hf_architecture"], meta["rotations_eager"], meta["rotary_nodes"]) == \
-        ("fill-mask", "ModernBertForMaskedLM", "4", "4")
+    assert (meta["task"], meta["hf_architecture"], meta["hf_weights"], meta["rotations_eager"],
+            meta["rotary_nodes"]) == ("fill-mask", "ModernBertForMaskedLM", str(modernbert_folder), "4", "4")
     assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask"]
     assert [[d.dim_param for d in i.type.tensor_type.shape.dim] for i in model.graph.input] == [["batch", "seq"]] * 2
-    report = check(out, runners=("onnxruntime-cpu", "cpu-twin"))
+    report = check(mlm_file, runners=("onnxruntime-cpu", "cpu-twin"))
     assert report.reference.startswith("transformers ModernBertForMaskedLM (fill-mask")
     assert {"padded-right", "padded-left", "long-sequence"} <= set(report.cases)
     assert [r.status for r in report.runners] == ["pass", "pass"], report.notes
-    # the padded cases really are padded: the reference and the file see rows of 3 different lengths
-    assert report.runners[0].cases["padded-right"][0].max_abs < 1e-4
+    assert all(r.sweep.status == "pass" for r in report.runners)  # every rotary node alone, every position
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("task", "embeddings", "rope_export.task 'embeddings' / component 'model' is no task export rope-export knows"),
+    ("task_dims", '{"batch": 2, "seq": 10000000000}', "holds a size outside"),
+    ("task_dims", "[1, 2]", "rope_export.task_dims is not a table of sizes"),
+    ("hf_architecture", "ModernBertForMultipleChoice", "'ModernBertForMultipleChoice' is not a fill-mask class"),
+])
+def test_damaged_task_metadata_is_refused_in_one_line(mlm_file, tmp_path, key, value, message):
+    import onnx
+
+    from rope_export.check.model_file import CheckError
+
+    model = onnx.load(mlm_file)
+    next(p for p in model.metadata_props if p.key == f"rope_export.{key}").value = value
+    damaged = tmp_path / "damaged.onnx"
+    onnx.save(model, damaged)
+    with pytest.raises(CheckError, match=message):
+        check(damaged, runners=("onnxruntime-cpu",))
 
 
 # -- one encoder's embeddings through every lowering -------------------------------------------

@@ -16,8 +16,6 @@ quickest); the others are marked ``slow`` (``make test-slow``).
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
@@ -53,25 +51,10 @@ FAST = (
 )
 
 
-def _param(model_type: str):
-    marks = [] if model_type in FAST else [pytest.mark.slow]
-    recorded = RESULTS.get(model_type)
-    if recorded is not None and recorded["status"] == "fail":
-        marks.append(pytest.mark.xfail(strict=True, reason=recorded["reason"]))
-    return pytest.param(model_type, marks=marks, id=model_type)
-
-
-def _record(result: hf_zoo.ZooResult) -> None:
-    path = os.environ.get("HF_ZOO_RECORD")
-    if path:
-        with open(path, "a") as sink:
-            sink.write(json.dumps(result.as_dict()) + "\n")
-
-
-@pytest.mark.parametrize("model_type", [_param(t) for t in ZOO_TYPES])
+@pytest.mark.parametrize("model_type", [hf_zoo.zoo_param(t, FAST, RESULTS) for t in ZOO_TYPES])
 def test_zoo_type_exports_by_default_as_recorded(model_type):
     result = hf_zoo.check_type(model_type)
-    _record(result)
+    hf_zoo.record(result, "HF_ZOO_RECORD")
     recorded = RESULTS.get(model_type)
     assert recorded is not None, f"{model_type} has no recorded result: run make hf-zoo"
     if recorded["status"] == "refused":
