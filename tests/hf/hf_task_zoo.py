@@ -74,7 +74,8 @@ def tiny_config(model_type: str, **extra):
 ENCODERS_WITH_A_CAUSAL_HEAD = {"roformer": "an encoder; RoFormerForCausalLM is its decoder head for seq2seq"}
 
 
-def candidates() -> set[str]:
+@functools.cache
+def candidates() -> frozenset[str]:
     """Model types outside the causal-LM zoo with a class (of any task) whose modeling file has rotary code."""
     from transformers.models.auto import modeling_auto
 
@@ -84,7 +85,8 @@ def candidates() -> set[str]:
         if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict):
             for model_type, value in mapping.items():
                 names.setdefault(model_type, set()).update([value] if isinstance(value, str) else value)
-    return {t for t, found in names.items() if t not in ZOO_TYPES and any(rotary_source(c) for c in sorted(found))}
+    return frozenset(t for t, found in names.items()
+                     if t not in ZOO_TYPES and any(rotary_source(c) for c in sorted(found)))
 
 
 def excluded_by_rule(model_type: str) -> str | None:

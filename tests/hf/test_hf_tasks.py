@@ -221,7 +221,8 @@ ENCODER_DECODERS = {
 }
 
 
-@pytest.mark.parametrize("model_type", [pytest.param("t5gemma"), pytest.param("moonshine", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test's encoder-decoder: T5Gemma in the task zoo (both files checked on padded batches)
+@pytest.mark.parametrize("model_type", ["t5gemma", "moonshine"])
 def test_encoder_and_decoder_files_generate_what_transformers_generates(model_type, tmp_path):
     """A padded batch of two: the files' greedy loop (encoder once, then one decoder step at a time with its cache)
     against transformers' generate on the same inputs: the same tokens, logits within the tolerance."""

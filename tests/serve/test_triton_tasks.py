@@ -15,6 +15,7 @@ from rope_export.serve import triton
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # an export and a server start: 45 s on a 2-core machine
 def test_an_embedders_repository_serves_transformers_embeddings_for_a_padded_batch(tmp_path):
     import torch
 
