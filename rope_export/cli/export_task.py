@@ -21,17 +21,21 @@ def run_task_export(args, choice: TaskChoice) -> int:
     from rope_export.common.steps import cli_steps
     from rope_export.exporting.core import check_output_writable
     from rope_export.files.onnx_files import output_files
-    from rope_export.hf.task_export import export_task
+    from rope_export.hf.task_export import check_output_folder, export_task
 
     task = choice.task
-    given = [flag for name, flag in CAUSAL_ONLY if getattr(args, name, None) not in (None, False)]
+    # given: any value but None (not given) and False; --layer 0 is given (0 == False, so no "in (None, False)")
+    given = [flag for name, flag in CAUSAL_ONLY if getattr(args, name, None) is not None
+             and getattr(args, name) is not False]
     if given:
         raise HFExportError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for causal LMs; {args.hf} "
                             f"exports as {task.name} ({choice.reason}): drop {'it' if len(given) == 1 else 'them'}, "
                             "or pass --task causal-lm")
     output = Path(args.output)
-    if len(task.parts) == 1:
-        check_output_writable(output)  # before the minutes of building and tracing
+    if len(task.parts) == 1:  # before the minutes of building and tracing
+        check_output_writable(output)
+    else:
+        check_output_folder(output, task)
     weights, weights_line = chosen_weights(args.hf, args.weights, args.random_weights, args.seed)
     console = Console()
     with cli_steps(console, f"rope-export export --hf ({task.name}): {args.output}", args.summary_json) as progress:

@@ -225,7 +225,7 @@ def _destination(output, task: Task):
     if len(task.parts) == 1:
         yield lambda name: output
         return
-    _check_folder(output, task)
+    check_output_folder(output, task)
     with staging_dir(output.with_name(output.name + ".export")) as stage:  # staging_dir takes a file's path
         folder = stage / "out"
         folder.mkdir()
@@ -233,7 +233,8 @@ def _destination(output, task: Task):
         commit_moves([(folder, output)], stage / "trash")
 
 
-def _check_folder(output: Path, task: Task) -> None:
+def check_output_folder(output: Path, task: Task) -> None:
+    """Refuse, before any work, a folder that cannot take a task's files (a file name, a folder of other files)."""
     if output.suffix == ".onnx":
         files = ", ".join(f"{part}.onnx" for part in task.parts)
         raise HFExportError(f"{task.name} writes {files}: give -o a folder, not {output.name}")

@@ -73,6 +73,17 @@ def test_task_overrides_and_refusals_name_the_fix():
         select_task(_config("modernbert", architectures=["ModernBertForMultipleChoice"]))
 
 
+def test_causal_lm_options_and_one_file_name_for_two_files_are_refused_before_building(tmp_path, capsys):
+    folder = tmp_path / "t5gemma"
+    _config("t5gemma", encoder=T5GEMMA_LAYER, decoder=dict(T5GEMMA_LAYER), vocab_size=64).save_pretrained(folder)
+    assert cli.main(["export", "--hf", str(folder), "--layer", "0", "-o", str(tmp_path / "x")]) == 2
+    assert "--layer is for causal LMs; " in capsys.readouterr().err
+    assert cli.main(["export", "--hf", str(folder), "-o", str(tmp_path / "x.onnx")]) == 2
+    assert "text2text-generation writes encoder.onnx, decoder.onnx: give -o a folder, not x.onnx" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t5gemma"]
+
+
 def test_every_task_names_a_real_auto_class_and_mapping():
     from transformers.models.auto import modeling_auto
 
