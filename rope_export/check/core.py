@@ -345,8 +345,8 @@ def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end:
             if r.sweep is not None and r.sweep.status == "FAIL":
                 r.status = "FAIL"
     elif not subject.slices and not subject.tables:
-        subject.notes.append("no rotary node could be run alone (none in the file, or none with static head sizes); "
-                             "the positions are covered by the stress cases only")
+        subject.notes.append("no rotary node could be run alone (none in the file, or each for the reason noted); "
+                             "the positions are covered by the cases only")
 
 
 def _layers(mf: ModelFile) -> int:
