@@ -146,11 +146,13 @@ def _feature_layout(model, dims) -> tuple[tuple[int, int, int], int]:
     """The shape of ``input_features`` the model runs, frames second or last (tried in that order), and the
     frames axis: models differ (Parakeet takes [batch, frames, bins], Whisper [batch, bins, frames])."""
     bins, batch, frames = _bins(model.config), dims["batch"], dims["frames"]
+    # an encoder-decoder's encoder takes the features (its whole forward also wants decoder inputs)
+    runs = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else model
     errors = []
     for shape, axis in (((batch, frames, bins), 1), ((batch, bins, frames), 2)):
         try:
             with torch.no_grad():
-                model(input_features=torch.zeros(shape, dtype=next(model.parameters()).dtype))
+                runs(input_features=torch.zeros(shape, dtype=next(model.parameters()).dtype))
             return shape, axis
         except Exception as exc:  # noqa: BLE001 - the other layout is tried; both failing is said below
             errors.append(f"{list(shape)}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
@@ -228,10 +230,10 @@ def encoder_decoder(model: nn.Module, outputs: tuple[str, ...], dims: dict[str, 
     dims = {**EXAMPLE_DIMS, **(dims or {})}
     generator = torch.Generator().manual_seed(seed)
     encoder = model.get_encoder()
-    names, tensors, axes = main_inputs(model, dims, generator)
-    names, tensors = names[:2], tensors[:2]  # the main input and its mask
+    names, tensors, axes = main_inputs(encoder, dims, generator)  # the encoder's own main input (and mask)
+    names, tensors = names[:2], tensors[:2]
     if len(names) < 2:
-        raise HFExportError(f"{type(model).__name__}'s forward takes no attention_mask: its encoder output cannot be "
+        raise HFExportError(f"{type(encoder).__name__}'s forward takes no attention_mask: its output cannot be "
                             "masked in the decoder's cross-attention")
     with torch.no_grad():
         encoded = encoder(**dict(zip(names, tensors, strict=True)))

@@ -42,6 +42,10 @@ OVERRIDES: dict[str, dict] = {
     "esm": dict(position_embedding_type="rotary", pad_token_id=1, mask_token_id=2),
     "moonshine": dict(partial_rotary_factor=0.5, pad_token_id=0),
     "wav2vec2-conformer": dict(position_embeddings_type="rotary"),
+    "wav2vec2-bert": dict(position_embeddings_type="rotary"),
+    "seamless_m4t": dict(position_embeddings_type="rotary"),
+    "neomme": dict(head_dim=16),  # its global layers rotate a quarter of the head: 4 channels
+    "glm_image_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])),
     "modernbert": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
 }
 
@@ -53,7 +57,7 @@ def _shrunk(values: dict) -> dict:
     out = {}
     for key, value in values.items():
         if isinstance(value, dict) and "model_type" in value:
-            out[key] = _shrunk(value)
+            out[key] = {"model_type": value["model_type"], **_shrunk(value)}
         elif key in TASK_SHRINK:
             out[key] = TASK_SHRINK[key]
     tokens = {k: min(v, VOCAB - 1) if isinstance(v, int) and not isinstance(v, bool) else v
