@@ -15,6 +15,7 @@ lowering, against transformers' forward rebuilt from the file's metadata, on pad
 from __future__ import annotations
 
 import functools
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -47,6 +48,13 @@ OVERRIDES: dict[str, dict] = {
     "neomme": dict(head_dim=16),  # its global layers rotate a quarter of the head: 4 channels
     "glm_image_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])),
     "modernbert": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+}
+
+# types whose rotations the eager census does not see, so the export's "performs no RoPE" is not the truth: recorded
+# as expected failures with the reason (a gap of rope_export.detect, left for it)
+CENSUS_MISSES = {
+    "roformer": "the eager census counts none of RoFormer's q/k rotations (a static method that builds interleaved "
+                "pairs with torch.stack(...).reshape_as, a spelling rope_export.detect does not follow)",
 }
 
 MULTIMODAL = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES")
@@ -173,8 +181,9 @@ class TaskZooResult:
 
 
 def _how(hooks: list[str]) -> str:
-    forms = sorted({part.split("(")[1].split(",")[0] for hook in hooks if not hook.startswith("none")
-                    for part in hook.split("; ")})
+    """"hook: FORM, ..." from the files' hook descriptions ("... -> rope_export::RotaryEmbedding (FORM, ...)"), or
+    "fuse" where no hook ran."""
+    forms = sorted({m.group(1) for hook in hooks for m in re.finditer(r"RotaryEmbedding \(([\w-]+)", hook)})
     return ("hook: " + ", ".join(forms)) if forms else "fuse"
 
 
@@ -211,6 +220,8 @@ def check_type(model_type: str, folder: Path | None = None) -> TaskZooResult:
             exported = export_task(model, choice.task, output)
         except hf.HFExportError as exc:
             result.status, result.reason = "refused", _first(exc)
+            if model_type in CENSUS_MISSES and "performs no rotary position embedding" in result.reason:
+                result.status, result.reason = "fail", f"{CENSUS_MISSES[model_type]}: refused as {result.reason}"
             result.seconds = time.perf_counter() - start
             return result
         except Exception as exc:  # noqa: BLE001
