@@ -137,23 +137,27 @@ def test_a_modernbert_masked_lm_folder_exports_and_checks_against_transformers(m
     assert all(r.sweep.status == "pass" for r in report.runners)  # every rotary node alone, every position
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
+# (in the test above's module, after it: one export of the folder serves both, on whichever worker runs them)
+DAMAGED = [
     ("task", "embeddings", "rope_export.task 'embeddings' / component 'model' is no task export rope-export knows"),
     ("task_dims", '{"batch": 2, "seq": 10000000000}', "holds a size outside"),
     ("task_dims", "[1, 2]", "rope_export.task_dims is not a table of sizes"),
     ("hf_architecture", "ModernBertForMultipleChoice", "'ModernBertForMultipleChoice' is not a fill-mask class"),
-])
-def test_damaged_task_metadata_is_refused_in_one_line(mlm_file, tmp_path, key, value, message):
+]
+
+
+def test_damaged_task_metadata_is_refused_in_one_line(mlm_file, tmp_path):
     import onnx
 
     from rope_export.check.model_file import CheckError
 
-    model = onnx.load(mlm_file)
-    next(p for p in model.metadata_props if p.key == f"rope_export.{key}").value = value
-    damaged = tmp_path / "damaged.onnx"
-    onnx.save(model, damaged)
-    with pytest.raises(CheckError, match=message):
-        check(damaged, runners=("onnxruntime-cpu",))
+    for key, value, message in DAMAGED:
+        model = onnx.load(mlm_file)
+        next(p for p in model.metadata_props if p.key == f"rope_export.{key}").value = value
+        damaged = tmp_path / f"damaged-{key}.onnx"
+        onnx.save(model, damaged)
+        with pytest.raises(CheckError, match=message):
+            check(damaged, runners=("onnxruntime-cpu",))
 
 
 # -- one encoder's embeddings through every lowering -------------------------------------------
@@ -232,7 +236,7 @@ ENCODER_DECODERS = {
 }
 
 
-@pytest.mark.slow  # make test's encoder-decoder: T5Gemma in the task zoo (both files checked on padded batches)
+@pytest.mark.slow  # 55-80 s each here; the task zoo checks both files of each on padded batches too (slow)
 @pytest.mark.parametrize("model_type", ["t5gemma", "moonshine"])
 def test_encoder_and_decoder_files_generate_what_transformers_generates(model_type, tmp_path):
     """A padded batch of two: the files' greedy loop (encoder once, then one decoder step at a time with its cache)
