@@ -21,7 +21,7 @@ TRT_LEAN10_DIR := build/trt-lean-10
 export TENSORRT_INCLUDE_DIR
 export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
 
-.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-zoo-version lint clean
+.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-task-zoo hf-zoo-version lint clean
 
 # Every install reads the lock (requirements/lock.txt): a fresh clone next month installs what passed
 # today. The build backend comes from the lock too (--no-build-isolation), so nothing unpinned is installed.
@@ -112,7 +112,8 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint requirements/oldest.txt "$(TORCH_SPEC)" setuptools
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint requirements/oldest.txt --no-build-isolation -e '.[dev]'
 	$(OLDEST_VENV)/bin/python -m rope_export.cli build-plugin
-	ROPE_EXPORT_NO_LOCK=1 $(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/hf/test_hf_zoo.py
+	ROPE_EXPORT_NO_LOCK=1 $(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/hf/test_hf_zoo.py \
+		--ignore=tests/hf/test_hf_task_zoo.py
 
 # Re-record every zoo type (tests/hf/hf_zoo_results.json) and re-render docs/transformers.md's zoo table, and the
 # locked transformers' row of the version table.
@@ -121,6 +122,13 @@ hf-zoo: setup plugin
 	HF_ZOO_RECORD=build/hf_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_zoo.py || true
 	$(PY) tests/hf/hf_zoo_table.py build/hf_zoo.jsonl
 	$(PY) tests/hf/hf_zoo_versions.py build/hf_zoo.jsonl "$$($(PY) -c 'import transformers; print(transformers.__version__)')" whole
+
+# Re-record every type of the task zoo (tests/hf/hf_task_zoo_results.json) and re-render docs/tasks.md's table.
+hf-task-zoo: setup plugin
+	rm -f build/hf_task_zoo.jsonl && mkdir -p build
+	HF_TASK_ZOO_RECORD=build/hf_task_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_task_zoo.py \
+		-k test_task_zoo_type || true
+	$(PY) tests/hf/hf_task_zoo_table.py build/hf_task_zoo.jsonl
 
 # The quick zoo (make test's third of it) on another transformers release, for docs/versions.md's version
 # table: make hf-zoo-version TRANSFORMERS=5.0.0. No lock (pip picks what that release needs), own venv.

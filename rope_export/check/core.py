@@ -34,6 +34,7 @@ from rope_export.check.runners import (
     make_runner,
     run_cases,
 )
+from rope_export.check.task_reference import TaskReference
 from rope_export.common.bounds import format_bytes
 from rope_export.exporting.core import DTYPES
 from rope_export.op.tolerances import against_pytorch, for_layers, tolerance
@@ -190,7 +191,7 @@ def _reference(subject: _Subject, options: CheckOptions, limits: Limits):
             reference_path=options.reference, hf_config=options.hf_config,
             weights=None if options.weights is None else str(options.weights), seed=options.seed,
             random_weights=options.random_weights, reference_block=options.reference_block,
-            precision=options.precision, limits=limits)
+            precision=options.precision, limits=limits, task_reference=TaskReference)
     subject.notes += notes
     if mf.contrib_ops:
         subject.notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest "
@@ -251,6 +252,9 @@ def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits
     if options.inputs:
         cases = user_cases(list(options.inputs), mf)
         described = f"the user's feeds ({', '.join(map(str, options.inputs))})"
+    elif hasattr(ref, "own_cases"):  # a task file's reference knows its inputs (check.task_reference)
+        cases, case_notes, described = ref.own_cases(mf, plan)
+        subject.notes += case_notes
     else:
         cases, case_notes = stress_cases(mf, plan, limits.memory)
         subject.notes += case_notes
@@ -341,8 +345,8 @@ def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end:
             if r.sweep is not None and r.sweep.status == "FAIL":
                 r.status = "FAIL"
     elif not subject.slices and not subject.tables:
-        subject.notes.append("no rotary node could be run alone (none in the file, or none with static head sizes); "
-                             "the positions are covered by the stress cases only")
+        subject.notes.append("no rotary node could be run alone (none in the file, or each for the reason noted); "
+                             "the positions are covered by the cases only")
 
 
 def _layers(mf: ModelFile) -> int:

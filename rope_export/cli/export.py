@@ -10,7 +10,7 @@ from rope_export.exporting import DTYPE_NAMES, FACTORY_HELP, HF_FALLBACKS, HF_TR
 
 # The options only export --hf takes: any of them routes the call to cli.export_hf.run_hf_export.
 HF_ONLY = ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family", "attention_mask", "kv_buffer",
-           "trace")
+           "trace", "task")
 
 
 def register(subparsers) -> None:
@@ -42,7 +42,13 @@ def add_hf_arguments(parser) -> None:
     group = add_model_source_arguments(
         parser, "export a transformers model built from this local config (folder or .json) instead of a preset; "
                 "any RoPE model type: its rotary function is found by code and verified. A causal LM's file always "
-                "has a KV cache (prefill: past 0)")
+                "has a KV cache (prefill: past 0); other tasks: --task")
+    group.add_argument("--task", metavar="TASK", default=None,
+                       help="the task to export the folder's model as, e.g. feature-extraction, fill-mask, "
+                            "text-classification, speech-to-text (an unknown name lists them all); default: the class "
+                            "config.json's architectures names, else a causal LM where transformers has one, else the "
+                            "type's speech-to-text, text-to-text or base model. Encoder-decoders write a folder "
+                            "(encoder.onnx, decoder.onnx)")
     group.add_argument("--allow-no-rope", action="store_true", default=None,
                        help="write the file even when the model performs no rotary position embedding (a warning "
                             "instead of the error)")

@@ -56,7 +56,7 @@ from rope_export.hf.cache_io import (
 from rope_export.hf.counting import count_and_compare, eager_rotations, refuse_no_rope
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, family_of, text_config
-from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
+from rope_export.hf.hooking import HookState, model_state_kept, rotary_hooked, verified_functions
 from rope_export.hf.layer_proof import LayerMismatch
 from rope_export.hf.metadata import hf_metadata
 from rope_export.hf.stamping import census_per_kind, layer_kinds, prove_decoder_layers, reduced
@@ -126,7 +126,7 @@ def _state_layers(model, layout: CacheLayout) -> str:
     return ", ".join(named)
 
 
-def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError:
+def _export_failure(model, exc: Exception, layout: CacheLayout | None) -> HFExportError:
     """One line naming the model and the innermost cause; an operator torch.onnx cannot translate is named."""
     chain = _chain(exc)
     text = _ANSI.sub("", "\n".join(str(e) for e in chain))
@@ -143,7 +143,7 @@ def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError
             f"every {dim}")
     static = _STATIC_SEQ.search(text)
     if static:
-        where = f" in its recurrent layers {_state_layers(model, layout)}" if layout.has_states else ""
+        where = f" in its recurrent layers {_state_layers(model, layout)}" if layout and layout.has_states else ""
         return HFExportError(
             f"exporting {type(model).__name__} failed: its code fixes the sequence length to the example's "
             f"{static.group(1)} while tracing (a Python loop or branch over the tokens{where}), so no file could "
@@ -340,12 +340,7 @@ def export_hf(
         refuse_no_rope(census, model.config.model_type if layer is None else f"{model.config.model_type} layer {layer}",
                        allow_no_rope=allow_no_rope, notes=notes)
         say("finding the rotary functions the model calls")
-        functions = [] if fallback in ("plain", "fuse") else detect(model, fam, called)
-    if not functions and fam.forced and fallback not in ("plain", "fuse"):
-        raise forced_failure(model, fam)
-    if not functions and fallback == "error":
-        raise HFExportError(f"no function {type(model).__name__} calls verifies as a rotary form, and "
-                            "fallback='error' was asked; drop it to export plain and fuse")
+        functions = verified_functions(model, fam, called, fallback)
     program, traced = None, "full"
     if trace == "per-kind":
         why = "--layer exports (one attention layer) are traced in full" if layer is not None else ""
@@ -365,18 +360,9 @@ def export_hf(
                     census = eager_rotations(module, inputs)
     if program is None:
         say(f"exporting {type(model).__name__} ({kind}, {len(layout.layers)} cache layers) with torch.export")
-        hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
-        try:
-            with model_state_kept(model), hook_ctx as hook, _buffer_attention(model, kv_buffer):
-                program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say,
-                                  extra=_buffer_translations(kv_buffer))
-        except HFExportError:
-            raise
-        except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
-            raise _export_failure(model, exc, layout) from exc
-        if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
-            _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
-    description = _describe(hook, fallback)
+        program, hook = traced_and_fused(model, module, inputs, shapes, input_names, output_names, fam=fam,
+                                         functions=functions, census=census, opset=opset, fallback=fallback,
+                                         notes=notes, verbose=verbose, say=say, layout=layout, kv_buffer=kv_buffer)
     onnx_model = graph_proto(program)  # the graph to edit; the weights stay in torch until finish_export
     _check_dynamic(onnx_model, fam.position_rank)
     _name_dims(onnx_model, fam.position_rank, layout, attention_mask or kv_buffer)
@@ -385,22 +371,54 @@ def export_hf(
 
         to_standard_ops(onnx_model)
         name_buffer_dims(onnx_model)
-    say("comparing the eager rotations with the file's rotary nodes")
-    report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
-                               notes=notes)
-    metadata = hf_metadata(model, fam, hook_description=description,
-                           interleaved=hook.interleaved if hook is not None else False,
-                           dtype=dtype_name, kind=kind, weights=weights, seed=seed, layer=layer)
-    metadata[METADATA_PREFIX + "rotations_eager"] = str(report.expected)
-    metadata[METADATA_PREFIX + "rotary_nodes"] = str(report.found)
-    if kind == "hf-causal-lm":  # how the cache is carried: grown by Concat, or buffers updated in place
-        metadata[METADATA_PREFIX + "kv_cache"] = "buffer" if kv_buffer else "concat"
-    for key, value in metadata.items():
-        onnx_model.metadata_props.add(key=key, value=value)
-    onnx_model.producer_name, onnx_model.producer_version = "rope-export", __version__
-    onnx_model = finish_export(onnx_model, program, output, external=external, progress=say)
+    extra = {"kv_cache": "buffer" if kv_buffer else "concat"} if kind == "hf-causal-lm" else {}  # how the cache
+    # is carried: grown by Concat, or buffers updated in place
+    onnx_model, report, description = counted_and_written(
+        onnx_model, program, model, census, fam, hook, fallback=fallback, allow_decomposed=allow_decomposed,
+        notes=notes, metadata=dict(dtype=dtype_name, kind=kind, weights=weights, seed=seed, layer=layer),
+        extra=extra, output=output, external=external, say=say)
     return HFExportResult(onnx_model, None if output is None else Path(output), fam, description, len(layout.layers),
                           kind, notes, report.expected, layout, traced)
+
+
+def traced_and_fused(model, module, inputs, shapes, input_names, output_names, *, fam: HFFamily, functions,
+                     census, opset: int, fallback: str, notes: list[str], verbose: bool, say,
+                     layout: CacheLayout | None = None, kv_buffer: bool = False):
+    """(program, hook): ``module`` (a wrapper of ``model``) traced by torch.export with the verified rotary
+    ``functions`` routed through the op, the model kept as it was; the rotations no hook reached are fused
+    (unless ``fallback`` is "plain"). Any export of a transformers model, whatever its task, goes through here."""
+    hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
+    try:
+        with model_state_kept(model), hook_ctx as hook, _buffer_attention(model, kv_buffer):
+            program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say,
+                              extra=_buffer_translations(kv_buffer))
+    except HFExportError:
+        raise
+    except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
+        raise _export_failure(model, exc, layout) from exc
+    if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
+        _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
+    return program, hook
+
+
+def counted_and_written(onnx_model: onnx.ModelProto, program, model, census, fam: HFFamily, hook, *, fallback: str,
+                        allow_decomposed: bool, notes: list[str], metadata: dict, extra: dict, output, external: str,
+                        say) -> tuple[onnx.ModelProto, object, str]:
+    """(the file's ModelProto, the count report, the hook's description): the eager rotations compared with the
+    file's rotary nodes (a shortfall is an error unless allowed), the metadata (``hf_metadata``'s keywords in
+    ``metadata``, more keys in ``extra``), then the atomic write (``finish_export``)."""
+    description = _describe(hook, fallback)
+    say("comparing the eager rotations with the file's rotary nodes")
+    report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
+                               notes=notes, stacklevel=4)
+    props = hf_metadata(model, fam, hook_description=description,
+                        interleaved=hook.interleaved if hook is not None else False, **metadata)
+    props |= {METADATA_PREFIX + key: value for key, value in
+              {"rotations_eager": str(report.expected), "rotary_nodes": str(report.found), **extra}.items()}
+    for key, value in props.items():
+        onnx_model.metadata_props.add(key=key, value=value)
+    onnx_model.producer_name, onnx_model.producer_version = "rope-export", __version__
+    return finish_export(onnx_model, program, output, external=external, progress=say), report, description
 
 
 def _buffer_attention(model, kv_buffer: bool):
