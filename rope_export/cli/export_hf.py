@@ -35,12 +35,15 @@ def run_hf_export(args) -> int:
         raise HFExportError("--random-weights and --weights exclude each other: give one")
     if args.hf_family is not None and args.hf_family not in HF_FAMILIES:  # before the minutes of building
         raise HFExportError(f"unknown --hf-family {args.hf_family!r}; known: {', '.join(sorted(HF_FAMILIES))}")
-    for option, default in (("cache_len", None), ("compare_decomposed", False), ("module", None)):
-        if getattr(args, option, default) not in (None, False):
+    for option in ("cache_len", "compare_decomposed", "module"):
+        value = getattr(args, option, None)
+        if value is not None and value is not False:  # `--cache-len 0` is given too (0 == False)
             raise HFExportError(
                 f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
                 "the graph and the model is exported as it is"
             )
+    if args.seed is None:  # the shared --seed says "not given" with None (check then reads the file's own)
+        args.seed = 0
     choice = task_choice(args)
     if choice.task.name != CAUSAL_LM:  # an encoder, embedder, speech or encoder-decoder model (rope_export.hf.tasks)
         from rope_export.cli.export_task import run_task_export
