@@ -11,7 +11,7 @@ import time
 import numpy as np
 import onnx
 
-from rope_export.check import cache_rows
+from rope_export.check import cache_rows, vlm
 from rope_export.check.compare import compare_against_pytorch, compare_output, token_errors, token_limit_ratios
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
@@ -90,6 +90,11 @@ def check(
     limits = Limits(limit, max_in_memory, None if piece_limit_gb is None else int(piece_limit_gb * 1e9))
     say(f"opening {model if not isinstance(model, onnx.ModelProto) else 'the model'}")
     mf = ModelFile.open(model)
+    vlm_notes, vlm_feeds = [], None  # a vision-language component: its transformers submodule is the reference
+    if module is None and reference is None and hf_config is None and vlm.vlm_record(mf) is not None:
+        module, vlm_notes, vlm_feeds = vlm.component_reference(mf, weights=weights, seed=seed,
+                                                               random_weights=random_weights)
+        inputs = inputs or (vlm_feeds.paths if vlm_feeds is not None else None)
     source = file_source(mf)
     preset = hf_info = None
     metadata_notes = []
@@ -114,7 +119,7 @@ def check(
                                       hf_config=hf_config, weights=None if weights is None else str(weights),
                                       seed=seed, random_weights=random_weights, reference_block=reference_block,
                                       precision=precision, limits=limits)
-    notes = metadata_notes + notes
+    notes = vlm_notes + metadata_notes + notes
     if mf.contrib_ops:
         notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest of the "
                      "graph, onnxruntime's session creation checks them; onnx.reference, the CPU twin and TensorRT "
