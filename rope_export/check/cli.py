@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rope_export.check.names import RUNNERS
 
@@ -35,7 +36,8 @@ def register(subparsers) -> None:
         "`export --hf` file with transformers, any other file with onnx-reference as the golden; or named with "
         "--reference / --hf. Every stored cos/sin cache row is compared with the RoPE configuration and each rotary "
         "node is run alone over every position. Exit 0: all agree; 1: a runner disagrees; 2: bad input.")
-    parser.add_argument("model", help="the .onnx file (weights may be external, beside it)")
+    parser.add_argument("model", help="the .onnx file (weights may be external, beside it), or the folder `export --hf "
+                                      "VLM_DIR -o OUT_DIR/` wrote (each component, then the whole pipeline)")
     parser.add_argument("--runners", default=",".join(RUNNERS),
                         help=f"comma-separated, from {', '.join(RUNNERS)} (default: all; unavailable ones are skipped)")
     parser.add_argument("--reference", metavar="OTHER.onnx",
@@ -99,6 +101,10 @@ def _run(args) -> int:
 
     console = make_console()
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
+    if Path(args.model).is_dir():  # a vision-language export: its components, then the pipeline
+        from rope_export.check.vlm import run_folder_check
+
+        return run_folder_check(args, runners, console)
     module = _load_module(args.module) if args.module else {}
     with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
         report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,

@@ -40,7 +40,8 @@ def vlm_record(mf: ModelFile) -> dict | None:
         if record["component"] not in ("vision", "embedding", "decoder") or not isinstance(record["image"], dict):
             raise ValueError(record["component"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckError(f"{mf.label}: metadata rope_export.{RECORD} is damaged ({exc}); re-export the folder") from None
+        raise CheckError(f"{mf.label}: metadata rope_export.{RECORD} is damaged ({exc}); re-export the "
+                         "folder") from None
     return record
 
 
@@ -70,10 +71,11 @@ def rebuild(mf: ModelFile, *, weights=None, seed: int | None = None, random_weig
                             random_weights=random_weights, seed=seed)
     config = _config_from(info.config)
     try:
-        model = build_vlm(config, choice.folder, dtype=info.dtype, seed=choice.seed, random_weights=choice.folder is None)
+        model = build_vlm(config, choice.folder, dtype=info.dtype, seed=choice.seed,
+                          random_weights=choice.folder is None)
         kind = kind_of(config)
         geometry = Geometry.from_dict(record["image"])
-        layout = cache_layout(model)
+        layout = cache_layout(kind.text_model(model))
     except (HFExportError, ValueError, KeyError, TypeError) as exc:
         raise CheckError(f"{mf.label}: the transformers model it records cannot be rebuilt: {exc}") from None
     return Rebuilt(model, kind, geometry, layout, [choice.note] if choice.note else [], choice.to_dict())
@@ -128,8 +130,8 @@ def component_feeds(rebuilt: Rebuilt, name: str, seed: int = 1) -> list[dict[str
 
     names = io_names(rebuilt.kind, rebuilt.layout)["decoder"][0]
     prefill = list(example["decoder"])
-    prefill[len(names) - len(rebuilt.layout.input_names()):] = [t[:, :, :0] if t.dim() == 4 else t for t in
-                                                                 prefill[len(names) - len(rebuilt.layout.input_names()):]]
+    first_past = len(names) - len(rebuilt.layout.input_names())
+    prefill[first_past:] = [t[:, :, :0] if t.dim() == 4 else t for t in prefill[first_past:]]
     prefill[2] = torch.ones(prefill[0].shape[0], prefill[0].shape[1], dtype=torch.long)
     return [dict(zip(names, map(_np, tensors), strict=True)) for tensors in (prefill, example["decoder"])]
 
@@ -152,7 +154,8 @@ class _Scratch:
             self.paths.append(str(path))
 
 
-def component_reference(mf: ModelFile, *, weights=None, seed=None, random_weights=False, rebuilt: Rebuilt | None = None):
+def component_reference(mf: ModelFile, *, weights=None, seed=None, random_weights=False,
+                        rebuilt: Rebuilt | None = None):
     """(the transformers module to compare with, notes, --inputs feeds or None, a scratch folder to keep alive)."""
     name = vlm_record(mf)["component"]
     rebuilt = rebuilt or rebuild(mf, weights=weights, seed=seed, random_weights=random_weights)
@@ -249,7 +252,6 @@ def _session(path: Path):
 
 def pipeline_check(paths: dict[str, Path], rebuilt: Rebuilt, steps: int = 1) -> PipelineReport:
     """The components run in order on onnxruntime against transformers' forward on the same image and prompt."""
-    import torch
 
     from rope_export.exporting.core import DTYPES
     from rope_export.hf.vlm import pipeline
@@ -265,7 +267,7 @@ def pipeline_check(paths: dict[str, Path], rebuilt: Rebuilt, steps: int = 1) -> 
     except Exception as exc:  # noqa: BLE001 - a component onnxruntime cannot load fails the pipeline, named
         return PipelineReport("FAIL", reason=f"onnxruntime cannot load the components: {str(exc).splitlines()[0]}")
     prompt = pipeline.image_prompt(model, kind, rebuilt.geometry)
-    want, want_tokens = pipeline.transformers_run(model, prompt, steps)
+    want, want_tokens = pipeline.transformers_run(model, kind, prompt, steps)
     names = io_names(kind, layout)
     features = sessions["vision"].run(None, {"pixel_values": _np(prompt.pixel_values)})
     ids = prompt.input_ids.numpy()
@@ -291,7 +293,7 @@ def pipeline_check(paths: dict[str, Path], rebuilt: Rebuilt, steps: int = 1) -> 
         past = out[1:]
         ids = np.array([[want_tokens[step]]], dtype=np.int64)  # transformers' token: both sides see the same prompt
         positions = pipeline.step_positions(kind, deltas, total)
-        step_features = [f[:0] for f in features]
+        step_features = [features[0][:0], *(f[:, :0] for f in features[1:])]  # no image rows after the prompt
     if report.status == "FAIL":
         worst = max(report.errors, key=report.errors.get)
         report.reason = (f"logits differ from transformers' by {report.errors[worst]:.3g} at the {worst} "
@@ -316,3 +318,33 @@ def print_folder_report(report: VLMCheckReport, console) -> None:
                   f"{report.pipeline.tokens} (transformers {report.pipeline.reference_tokens})")
     verdicts = ", ".join(f"{name} {'PASS' if r.passed else 'FAIL'}" for name, r in report.components.items())
     console.print(f"{verdicts}, pipeline {report.pipeline.status.upper()}")
+
+
+FOLDER_OPTIONS = ("reference", "hf", "module", "inputs", "batch", "seq", "past", "long_seq", "memory_limit",
+                  "max_in_memory", "piece_limit")
+
+
+def run_folder_check(args, runners, console) -> int:
+    """``rope-export check OUT_DIR/``: exit 0 when every component and the pipeline pass, 1 otherwise."""
+    import sys
+
+    from rope_export.check.report import write_reports
+    from rope_export.common.steps import cli_steps
+
+    given = [name for name in FOLDER_OPTIONS if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise CheckError(f"--{given[0].replace('_', '-')} is for one file; check a component file of the folder "
+                         "with it")
+    with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
+        report = check_folder(args.model, runners, weights=args.weights, seed=args.seed,
+                              random_weights=args.random_weights, sweep=not args.no_sweep, plugin_library=args.plugin,
+                              progress=progress)
+    print_folder_report(report, console)
+    if args.report:
+        for name, component in report.components.items():
+            for path in write_reports(component, Path(args.report) / name):
+                console.print(f"wrote {path}")
+    if not report.passed:
+        print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
+        return 1
+    return 0

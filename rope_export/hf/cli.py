@@ -40,7 +40,11 @@ def run_hf_export(args) -> int:
                 f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
                 "the graph and the model is exported as it is"
             )
-    check_output_writable(Path(args.output))  # before the minutes of building and tracing
+    from rope_export.hf.vlm.cli import run_vlm_export, wants_vlm_export
+
+    whole_vlm = wants_vlm_export(args)  # a vision-language model whole: a folder of components
+    if not whole_vlm:
+        check_output_writable(Path(args.output))  # before the minutes of building and tracing
     # the --hf folder's own checkpoint unless told otherwise: a folder with weights never exports random ones
     weights = args.weights if args.weights is not None or args.random_weights else weights_beside(args.hf)
     if weights is None:
@@ -48,6 +52,9 @@ def run_hf_export(args) -> int:
         weights_line = f"random weights (seed {args.seed}): not a trained model ({why})"
     else:
         weights_line = f"weights from {weights}"
+    if whole_vlm:
+        with said_when_untested():
+            return run_vlm_export(args, weights, weights_line)
     console = Console()
     with said_when_untested(), cli_steps(console, f"rope-export export --hf: {args.output}",
                                          args.summary_json) as progress:

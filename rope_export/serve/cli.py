@@ -26,7 +26,8 @@ def _add_genai(packagers) -> None:
     parser = packagers.add_parser("genai", help="an onnxruntime-genai folder (model.onnx, genai_config.json, "
                                                 "tokenizer)", description=GENAI_DESCRIPTION)
     parser.add_argument("model", nargs="?", metavar="MODEL.onnx", default=None,
-                        help="a file from `rope-export export --hf` (its config comes from its metadata); or --hf")
+                        help="a file from `rope-export export --hf` (its config comes from its metadata), or the "
+                             "folder it wrote for a vision-language model; or --hf")
     parser.add_argument("--hf", metavar="MODEL_DIR", default=None,
                         help="a local transformers folder (config.json): exported here with an attention_mask input")
     parser.add_argument("--weights", metavar="DIR", default=None,
@@ -43,6 +44,10 @@ def _add_genai(packagers) -> None:
                         help="with --hf: the KV cache is a preallocated buffer per layer updated in place "
                              "(TensorScatter-24 + Attention-24, opset 24; past_present_share_buffer true), so a decode "
                              "step does not copy the whole past; refused for attention soft-capping (Gemma-2)")
+    parser.add_argument("--image-size", metavar="HxW", default=None,
+                        help="with --hf of a vision-language model (Qwen2.5-VL, Mistral 3): the image size its vision "
+                             "encoder is exported for; genai's processor resizes every image to it (default: the "
+                             "type's, e.g. 448x448)")
     parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="with --hf: precision")
     parser.add_argument("--seed", type=int, default=0, help="with --hf and no weights: the random weights' seed")
     add_output_arguments(parser)
@@ -78,7 +83,8 @@ def _run_genai(args) -> int:
     with cli_steps(console, f"rope-export package genai: {args.output}", args.summary_json) as steps:
         package = package_genai(args.output, model=args.model, hf=args.hf, weights=args.weights,
                                 tokenizer=args.tokenizer, target=args.target, dtype=args.dtype, seed=args.seed,
-                                external=args.external_data, kv_buffer=args.kv_buffer, progress=steps)
+                                external=args.external_data, kv_buffer=args.kv_buffer, image_size=args.image_size,
+                                progress=steps)
         steps.add_files([(path, path.stat().st_size) for path in package.files])
     decoder = package.config["model"]["decoder"]
     table = Table(title=f"{package.folder} (onnxruntime-genai)")

@@ -121,7 +121,8 @@ def genai_config(graph, hf_config, *, generation: dict | None = None, filename: 
     text = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     generation = generation or {}
     inputs, outputs = _names(graph)
-    for needed in ("input_ids", "position_ids"):
+    tokens = "inputs_embeds" if "inputs_embeds" in inputs else "input_ids"  # a VLM's decoder takes embeddings
+    for needed in (tokens, "position_ids"):
         if needed not in inputs:
             raise ServeError(f"the file has no {needed!r} input; onnxruntime-genai feeds input_ids and position_ids "
                              "(export it with `rope-export export --hf`)")
@@ -144,7 +145,7 @@ def genai_config(graph, hf_config, *, generation: dict | None = None, filename: 
         raise ServeError("the transformers config has no eos_token_id; genai stops generating on it")
     if pad is None:  # what transformers' generate does without one: pad with the end-of-sequence token
         pad = _first(eos)
-    names_in = {"input_ids": "input_ids", "position_ids": "position_ids",
+    names_in = {tokens: tokens, "position_ids": "position_ids",
                 "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
     if "attention_mask" in inputs:
         names_in["attention_mask"] = "attention_mask"
@@ -212,7 +213,8 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
                   hf: str | os.PathLike | None = None, weights: str | os.PathLike | None = None,
                   tokenizer: str | os.PathLike | None = None,
                   target: str = "onnx", dtype: str = "fp32", seed: int = 0, external: str = "auto",
-                  kv_buffer: bool = False, progress: Callable[[str], None] | None = None) -> GenaiPackage:
+                  kv_buffer: bool = False, image_size: str | None = None,
+                  progress: Callable[[str], None] | None = None) -> GenaiPackage:
     """Write an onnxruntime-genai folder ``out``: ``model.onnx`` lowered to ``target``, ``genai_config.json``
     and the tokenizer files.
 
@@ -221,7 +223,9 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
     (``kv_buffer``: with preallocated KV buffers updated in place, ``past_present_share_buffer: true``)
     (``weights``: the folder with its weights; default the ``hf`` folder when it holds weights, else
     random weights, ``seed``). ``tokenizer``: the folder to copy tokenizer files and
-    ``generation_config.json``'s defaults from (default: the ``hf`` folder).
+    ``generation_config.json``'s defaults from (default: the ``hf`` folder). A vision-language model (an
+    ``export --hf`` folder as ``model``, or such a config as ``hf``) is packaged with its three components
+    (``serve.genai_vlm``; ``image_size`` as ``export --hf --image-size``).
     """
     from rope_export.common.fileio import check_writable, commit_moves, staging_dir
     from rope_export.files import onnx_files
@@ -233,6 +237,15 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
     if target not in TARGETS:
         raise ServeError(f"target {target!r}: onnxruntime-genai runs {' or '.join(TARGETS)}")
     out = Path(out)
+    from rope_export.serve.genai_vlm import is_vlm_source, package_genai_vlm
+
+    if is_vlm_source(model, hf):  # a vision-language model: its three components and the image processor's config
+        if kv_buffer:
+            raise ServeError("--kv-buffer is for causal LMs; a vision-language folder's decoder grows its cache by "
+                             "Concat")
+        return package_genai_vlm(out, folder=None if model is None else Path(model), hf=hf, weights=weights,
+                                 tokenizer=tokenizer, target=target, dtype=dtype, seed=seed, image_size=image_size,
+                                 external=external, progress=say)
     _check_output(out)
     beside = out.with_name(out.name + ".package")  # check_writable and staging_dir take a file's path, not a folder's
     check_writable(beside)

@@ -45,7 +45,8 @@ CONFIGS = {
     "llama4": lambda: transformers.Llama4Config(
         text_config=dict(**TEXT, head_dim=8, intermediate_size_mlp=64, num_local_experts=2, no_rope_layers=[1, 0],
                          attention_chunk_size=64, interleave_moe_layer_step=1),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        # pixel shuffle: intermediate_size = hidden_size / pixel_shuffle_ratio**2 (the MLP after the shuffle)
+        vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                            image_size=32, patch_size=8, vision_output_dim=32, projector_input_dim=32,
                            projector_output_dim=32, pixel_shuffle_ratio=0.5),
         image_token_index=IMAGE_TOKEN),

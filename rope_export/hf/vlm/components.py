@@ -65,7 +65,7 @@ class DecoderWithCache(nn.Module):
     def forward(self, inputs_embeds, position_ids, attention_mask, *rest):
         count = len(self.kind.decoder_extras)
         extras, past = rest[:count], rest[count:]
-        cache = make_cache(self.model, self.layout.num_cache_layers)
+        cache = make_cache(self.kind.text_model(self.model), self.layout.num_cache_layers)
         self.layout.fill(cache, past)
         logits, cache = self.kind.decode(self.model, cache, inputs_embeds, position_ids, attention_mask, extras)
         return (logits, *self.layout.present(cache))

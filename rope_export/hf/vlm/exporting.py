@@ -57,6 +57,7 @@ from rope_export.hf.vlm.components import (
     placeholder_checks_off,
 )
 from rope_export.hf.vlm.kinds import Geometry, ImageSize, VLMKind, base_model, kind_of
+from rope_export.op.contract import DOMAIN
 
 MANIFEST = "vlm.json"  # the folder's table of contents, written last
 FILES = {name: f"{name}.onnx" for name in COMPONENTS}
@@ -78,6 +79,7 @@ class ComponentResult:
     nodes: int  # rotary nodes in the file
     how: str  # what was hooked, or how the rotations were fused
     notes: list[str] = field(default_factory=list)
+    interleaved: bool = False  # the rotary nodes rotate GPT-J / Meta pairs (2i, 2i+1)
 
 
 @dataclass
@@ -200,6 +202,7 @@ def export_component(model, name: str, module, inputs: tuple, shapes, names: tup
         raise
     except Exception as exc:  # torch.export / onnxscript errors: name the model and the op
         raise _export_failure(model, exc, CacheLayout((), 0)) from exc
+    _drop_noop_squeezes(program.model)
     if census.plain and len(rotary_nodes(program.model)) < len(census.plain):
         _fuse(program, notes, hooked=hook is not None)
         notes[-1] = notes[-1].replace("no rotary function verified", "rotations not hooked")
@@ -209,7 +212,29 @@ def export_component(model, name: str, module, inputs: tuple, shapes, names: tup
                                                      "no rotation")
     if hook is not None and report.found > hook.rotations:
         how += "; the rest fused by rope_export.passes.fuse"
-    return proto, program, ComponentResult(name, Path(FILES[name]), report.expected, report.found, how, notes)
+    interleaved = any(a.name == "interleaved" and a.i == 1 for n in proto.graph.node if n.domain == DOMAIN
+                      for a in n.attribute)
+    return proto, program, ComponentResult(name, Path(FILES[name]), report.expected, report.found, how, notes,
+                                           interleaved)
+
+
+def _drop_noop_squeezes(model) -> None:
+    """torch's ``squeeze(dim)`` leaves a dim that is not 1 alone; torch.onnx writes a Squeeze of it all the same
+    (Mistral 3's ``image_features.squeeze(0)`` of [tokens, hidden]), which onnx.checker refuses. Such a node is
+    what torch computed: nothing; its output is its input."""
+    import onnx_ir as ir
+
+    for node in list(model.graph):
+        if node.op_type != "Squeeze" or len(node.inputs) < 2 or node.inputs[1] is None:
+            continue
+        data, axes = node.inputs
+        shape = data.shape
+        if axes.const_value is None or shape is None or node.outputs[0].is_graph_output():
+            continue
+        dims = [shape[int(a) % len(shape)] for a in axes.const_value.numpy().reshape(-1)]
+        if dims and all(isinstance(d, int) and d != 1 for d in dims):
+            ir.convenience.replace_all_uses_with(node.outputs[0], data)
+            model.graph.remove(node, safe=True)
 
 
 def _metadata(model, name: str, kind: VLMKind, geometry: Geometry, result: ComponentResult, *, dtype: str,
@@ -217,7 +242,8 @@ def _metadata(model, name: str, kind: VLMKind, geometry: Geometry, result: Compo
     """The causal-LM metadata (config, weights, seed, the text tower's RoPE) plus the component and the image
     geometry; only the decoder says ``source: transformers`` (its RoPE is the text config's), the others
     ``transformers-vlm`` (their reference is the component itself)."""
-    meta = hf_metadata(model, family_of(model), hook_description=result.how, interleaved=False, dtype=dtype,
+    meta = hf_metadata(model, family_of(model), hook_description=result.how, interleaved=result.interleaved,
+                       dtype=dtype,
                        kind=f"hf-vlm-{name}", weights=weights, seed=seed, layer=None)
     if name != "decoder":
         meta[METADATA_PREFIX + "source"] = "transformers-vlm"
@@ -263,12 +289,17 @@ def export_vlm(model, output, *, image_size: ImageSize | str | None = None, opse
     geometry = kind.geometry(model.config, size)
     dtype = {v: k for k, v in DTYPES.items()}.get(next(model.parameters()).dtype, "fp32")
     with model_state_kept(model):
-        layout = cache_layout(model)
-        check_sliding_layers(model)
+        layout = cache_layout(kind.text_model(model))
+        check_sliding_layers(kind.text_model(model))
     modules = {"vision": VisionEncoder(model, kind, geometry).eval(), "embedding": EmbeddingMerge(model, kind).eval(),
                "decoder": DecoderWithCache(model, kind, layout).eval()}
     inputs, shapes, names = example_inputs(model, kind, geometry, layout, seed), _dynamic_shapes(kind, layout), \
         io_names(kind, layout)
+    with torch.no_grad():
+        # transformers installs its output-capturing hooks (Mistral 3 reads a vision layer's hidden states) on the
+        # first forward and marks the model; done here, before any model_state_kept block, so that the mark is not
+        # undone while the hooks stay (each later forward would install them again and capture every state twice)
+        modules["vision"](*inputs["vision"])
     results: dict[str, ComponentResult] = {}
     with staging_dir(beside) as stage:
         folder = stage / "folder"

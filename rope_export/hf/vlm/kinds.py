@@ -155,8 +155,11 @@ def _mistral3_geometry(config, size: ImageSize) -> Geometry:
 
 
 def _mistral3_features(model, pixel_values, geometry: Geometry, precomputed: dict) -> tuple[torch.Tensor, ...]:
-    out = base_model(model).get_image_features(pixel_values, torch.tensor(geometry.constants["image_sizes"]),
-                                         vision_feature_layer=model.config.vision_feature_layer, return_dict=True)
+    # python ints, not a tensor: Pixtral slices each image's patches by them (a tensor's values would be
+    # data-dependent bounds for torch.export)
+    sizes = [tuple(size) for size in geometry.constants["image_sizes"]]
+    out = base_model(model).get_image_features(pixel_values, sizes, return_dict=True,
+                                               vision_feature_layer=model.config.vision_feature_layer)
     return (torch.cat(out.pooler_output, dim=0),)
 
 
@@ -199,6 +202,30 @@ def _decode(model, cache, inputs_embeds, position_ids, attention_mask, extras):
     return out.logits, returned_cache(out)
 
 
+def _decode_language_model(model, cache, inputs_embeds, position_ids, attention_mask, extras):
+    """Llama 4: transformers 5.24's ``Llama4ForConditionalGeneration.forward`` raises on its return
+    (``'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'``) whatever it is given; the logits it
+    would return are its language model's (``Llama4ForCausalLM``), called here."""
+    from rope_export.hf.cache_io import returned_cache, with_cache
+
+    out = with_cache(model.language_model, cache, inputs_embeds=inputs_embeds, position_ids=position_ids,
+                     attention_mask=attention_mask)
+    return out.logits, returned_cache(out)
+
+
+def _llama4_forward(model, cache, input_ids, pixel_values=None):
+    """transformers' Llama 4 forward up to its broken return (see ``_decode_language_model``): the token
+    embeddings, the projected image features scattered into them, the language model."""
+    from rope_export.hf.cache_io import with_cache
+
+    embeds = model.get_input_embeddings()(input_ids)
+    if pixel_values is not None:
+        (features,) = _llama4_features(model, pixel_values, None, {})
+        mask = model.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
+        embeds = embeds.masked_scatter(mask, features.to(embeds.dtype))
+    return with_cache(model.language_model, cache, inputs_embeds=embeds)
+
+
 def _decode_deepstack(model, cache, inputs_embeds, position_ids, attention_mask, extras):
     """Qwen3-VL: its language model adds the deepstack features at the image tokens (``image_mask``) of its first
     layers; the top-level forward computes them from pixels only, so the language model is called here."""
@@ -225,6 +252,8 @@ class VLMKind:
     feature_names: tuple[str, ...] = ("image_features",)
     decode: Callable = _decode  # (model, cache, inputs_embeds, position_ids, attention_mask, extras) -> logits, cache
     decoder_extras: tuple[str, ...] = ()  # decoder inputs after attention_mask: the embedding's and vision's extras
+    forward: Callable | None = None  # (model, cache, **inputs) -> output: transformers' forward where it is broken
+    text_model: Callable = lambda model: model  # the module whose forward from input_ids fills a cache (cache_layout)
     notes: str = ""
 
     def default_size(self, config) -> ImageSize:
@@ -239,7 +268,12 @@ class VLMKind:
         unit = self.unit(config)
         if size.height % unit or size.width % unit:
             raise HFExportError(f"{config.model_type}: --image-size {size} is not a multiple of {unit} pixels (patch "
-                                f"size x spatial merge) in both sides; e.g. {ImageSize(*(max(unit, s // unit * unit) for s in (size.height, size.width)))}")
+                                f"size x spatial merge) in both sides; e.g. {self.fitted(config, size)}")
+
+    def fitted(self, config, size: ImageSize) -> ImageSize:
+        """The nearest size below ``size`` on the merged-token grid (one unit at least)."""
+        unit = self.unit(config)
+        return ImageSize(max(unit, size.height // unit * unit), max(unit, size.width // unit * unit))
 
 
 KINDS: dict[str, VLMKind] = {kind.name: kind for kind in (
@@ -252,7 +286,8 @@ KINDS: dict[str, VLMKind] = {kind.name: kind for kind in (
             notes="interleaved mRoPE decoder; deepstack features added to the first decoder layers"),
     VLMKind("mistral3", ("mistral3",), _mistral3_unit, _mistral3_geometry, _mistral3_features,
             notes="Pixtral vision tower: 2-D RoPE over the patch grid; patch merger in the projector"),
-    VLMKind("llama4", ("llama4",), _llama4_unit, _llama4_geometry, _llama4_features,
+    VLMKind("llama4", ("llama4",), _llama4_unit, _llama4_geometry, _llama4_features, decode=_decode_language_model,
+            forward=_llama4_forward, text_model=lambda model: model.language_model,
             notes="vision tiles with 2-D complex RoPE; complex RoPE and NoPE layers in the decoder"),
 )}
 # model_type -> the type onnxruntime-genai 0.18 runs such a folder as (its Qwen3-VL pipeline has no deepstack)

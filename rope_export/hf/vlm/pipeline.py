@@ -52,7 +52,8 @@ def image_prompt(model, kind: VLMKind, geometry: Geometry, *, seed: int = 0, bef
     def text(n):
         return plain[torch.randint(0, len(plain), (n,), generator=generator)]
 
-    middle = [*([start] if start is not None else []), *([image] * geometry.tokens), *([end] if end is not None else [])]
+    middle = [*([start] if start is not None else []), *([image] * geometry.tokens),
+              *([end] if end is not None else [])]
     ids = torch.cat([text(before), torch.tensor(middle, dtype=torch.long), text(after)])[None]
     dtype = next(model.parameters()).dtype
     pixels = torch.randn(geometry.pixel_shape, generator=generator).to(dtype)
@@ -68,7 +69,8 @@ def positions(model, kind: VLMKind, prompt: Prompt) -> tuple[torch.Tensor, torch
     seq = prompt.input_ids.shape[1]
     if kind.position_rank != 3:
         return torch.arange(seq)[None], torch.zeros(1, 1, dtype=torch.long)
-    return base_model(model).get_rope_index(prompt.input_ids, mm_token_type_ids=prompt.image_inputs["mm_token_type_ids"],
+    return base_model(model).get_rope_index(prompt.input_ids,
+                                            mm_token_type_ids=prompt.image_inputs["mm_token_type_ids"],
                                             image_grid_thw=prompt.image_inputs["image_grid_thw"])
 
 
@@ -78,7 +80,7 @@ def step_positions(kind: VLMKind, deltas: torch.Tensor, past: int) -> torch.Tens
     return index.expand(3, 1, 1).contiguous() if kind.position_rank == 3 else index
 
 
-def transformers_run(model, prompt: Prompt, steps: int = 1) -> tuple[list[torch.Tensor], list[int]]:
+def transformers_run(model, kind: VLMKind, prompt: Prompt, steps: int = 1) -> tuple[list[torch.Tensor], list[int]]:
     """transformers' logits for the prompt (pixels in) and ``steps`` greedy decode steps (its own cache and
     positions), and the tokens it chose."""
     from transformers.cache_utils import DynamicCache
@@ -93,7 +95,7 @@ def transformers_run(model, prompt: Prompt, steps: int = 1) -> tuple[list[torch.
     inputs = prompt.reference_inputs()
     with torch.no_grad():  # no attention mask (no padding): the decode steps' mRoPE positions are past + deltas
         for _ in range(steps + 1):
-            out = with_cache(model, cache, **inputs)
+            out = kind.forward(model, cache, **inputs) if kind.forward else with_cache(model, cache, **inputs)
             logits.append(out.logits)
             tokens.append(int(out.logits[0, -1].argmax()))
             inputs = {"input_ids": torch.tensor([[tokens[-1]]])}
