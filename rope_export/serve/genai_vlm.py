@@ -56,10 +56,16 @@ def processor_config(model_type: str, manifest: dict, vision_config, preprocesso
     def op(name, kind, attrs=None):
         return {"operation": {"name": name, "type": kind, **({"attrs": attrs} if attrs is not None else {})}}
 
-    transforms = [op("decode_image", "DecodeImage", {"color_space": "RGB"}), op("convert_to_rgb", "ConvertRGB"),
+    # the color space DecodeImage is told, measured against transformers' processor (tests/serve/test_genai_vlm.py:
+    # the pixel values are equal): with genai 0.18's Qwen pipeline "RGB", as its own Qwen2.5-VL configs say; with its
+    # Pixtral pipeline "BGR", which ConvertRGB turns into RGB (onnxruntime-extensions' own examples; "RGB" there
+    # swaps the red and blue channels)
+    qwen = model_type.startswith("qwen")
+    decode = {"color_space": "RGB" if qwen else "BGR"}
+    transforms = [op("decode_image", "DecodeImage", decode), op("convert_to_rgb", "ConvertRGB"),
                   op("resize", "Resize", resize), op("rescale", "Rescale",
                                                      {"rescale_factor": float(values["rescale_factor"])})]
-    if model_type.startswith("qwen"):
+    if qwen:
         temporal = int(vision_config.temporal_patch_size)
         transforms += [op("normalize", "Normalize", {**normalize, "qwen2_5_vl": 1}),
                        op("patch_image", "PatchImage", {"patch_size": patch, "merge_size": merge,

@@ -1,13 +1,43 @@
-"""Tiny random-weight configs of the vision-language types, and the image size each is exported for."""
+"""Tiny random-weight vision-language models: configs, the image size each is exported for, and a folder as
+``save_pretrained`` writes it with a tokenizer onnxruntime-genai and transformers both read.
+
+The tokenizer is a byte-level BPE trained here on two sentences (``tokenizers``), with the special tokens of the
+Qwen-VL and Mistral 3 prompts added; every config's token ids are that tokenizer's."""
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import transformers
 
-VOCAB = 160
-IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 150, 151, 152, 153
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+            "<|video_pad|>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<|image|>")
+
+
+@functools.cache
+def tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["describe the image please", "a small picture of a cat on a mat"],
+                            BpeTrainer(vocab_size=290, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    return tok
+
+
+def token(text: str) -> int:
+    return tokenizer().token_to_id(text)
+
+
+VOCAB = tokenizer().get_vocab_size()
+EOS, PAD = token("<|im_end|>"), token("<|endoftext|>")
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+            num_key_value_heads=2, max_position_embeddings=512, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=PAD)
 
 
 def _rope(**extra):
@@ -15,8 +45,8 @@ def _rope(**extra):
 
 
 def _qwen_tokens() -> dict:
-    return dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
-                vision_end_token_id=VISION_END)
+    return dict(image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+                vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"))
 
 
 CONFIGS = {
@@ -41,7 +71,7 @@ CONFIGS = {
         text_config=dict(model_type="mistral", **TEXT, head_dim=8),
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, head_dim=16, patch_size=8, image_size=64),
-        image_token_index=IMAGE_TOKEN, spatial_merge_size=2, vision_feature_layer=-1),
+        image_token_index=token("[IMG]"), spatial_merge_size=2, vision_feature_layer=-1),
     "llama4": lambda: transformers.Llama4Config(
         text_config=dict(**TEXT, head_dim=8, intermediate_size_mlp=64, num_local_experts=2, no_rope_layers=[1, 0],
                          attention_chunk_size=64, interleave_moe_layer_step=1),
@@ -49,10 +79,24 @@ CONFIGS = {
         vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                            image_size=32, patch_size=8, vision_output_dim=32, projector_input_dim=32,
                            projector_output_dim=32, pixel_shuffle_ratio=0.5),
-        image_token_index=IMAGE_TOKEN),
+        image_token_index=token("<|image|>")),
 }
+# height x width in pixels, on each type's merged-token grid, not square (a transposed grid would not fit)
 IMAGE_SIZES = {"qwen2_vl": "56x84", "qwen2_5_vl": "112x84", "qwen3_vl": "64x96", "mistral3": "32x48", "llama4": "32x32"}
 
 
 def tiny_config(model_type: str):
     return CONFIGS[model_type]()
+
+
+def save_folder(model, folder: Path) -> Path:
+    """``model.save_pretrained(folder)`` and the tokenizer files beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer().save(str(folder / "tokenizer.json"))
+    added = {str(token(s)): {"content": s, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                             "single_word": False} for s in SPECIALS}
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "model_max_length": 512, "added_tokens_decoder": added}))
+    return folder
