@@ -33,7 +33,8 @@ def run_vlm_export(args, weights, weights_line: str) -> int:
     from rope_export.hf.vlm.loading import build_vlm
 
     for option in NOT_FOR_VLM:
-        if getattr(args, option, None) not in (None, False):
+        value = getattr(args, option, None)
+        if value is not None and value is not False:  # --layer 0 is given too
             raise HFExportError(f"--{option.replace('_', '-')} does not apply to a vision-language model exported "
                                 "whole (its decoder always takes an attention_mask, as onnxruntime-genai feeds it)")
     check_output_folder(Path(args.output))  # before the minutes of building and tracing
