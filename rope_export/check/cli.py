@@ -102,7 +102,7 @@ def _run(args) -> int:
     console = make_console()
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
     if Path(args.model).is_dir():  # a vision-language export: its components, then the pipeline
-        from rope_export.check.vlm import run_folder_check
+        from rope_export.check.vlm_folder import run_folder_check
 
         return run_folder_check(args, runners, console)
     module = _load_module(args.module) if args.module else {}

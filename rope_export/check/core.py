@@ -151,7 +151,7 @@ def check(
         past_end = False  # the file passes such tokens through; a module or plain export indexes its tables with them
         notes.append(f"no case past the end of the positions: the reference ({ref.label}) has no pass-through for "
                      "them")
-    vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
+    vocab = find_vocab(mf) or (_config_vocab(hf_info.config) if hf_info else None) or ref.vocab
     positions_in = tuple(dict.fromkeys(s.name for sl in slices for s in sl.position_inputs if len(s.dims or ()) == 2))
     plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()
                         if v is not None}, position_limit=position_limit, past_end_allowed=past_end,
@@ -263,6 +263,12 @@ def check(
         tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
         preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]),
         weights=getattr(ref, "weights_source", {}))
+
+
+def _config_vocab(config: dict):
+    """The vocabulary size a transformers config names (a multimodal config's text config holds it)."""
+    text = config.get("text_config")
+    return config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
 
 
 def _layers(mf: ModelFile) -> int:

@@ -213,8 +213,7 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
                   hf: str | os.PathLike | None = None, weights: str | os.PathLike | None = None,
                   tokenizer: str | os.PathLike | None = None,
                   target: str = "onnx", dtype: str = "fp32", seed: int = 0, external: str = "auto",
-                  kv_buffer: bool = False, image_size: str | None = None,
-                  progress: Callable[[str], None] | None = None) -> GenaiPackage:
+                  kv_buffer: bool = False, progress: Callable[[str], None] | None = None) -> GenaiPackage:
     """Write an onnxruntime-genai folder ``out``: ``model.onnx`` lowered to ``target``, ``genai_config.json``
     and the tokenizer files.
 
@@ -223,9 +222,8 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
     (``kv_buffer``: with preallocated KV buffers updated in place, ``past_present_share_buffer: true``)
     (``weights``: the folder with its weights; default the ``hf`` folder when it holds weights, else
     random weights, ``seed``). ``tokenizer``: the folder to copy tokenizer files and
-    ``generation_config.json``'s defaults from (default: the ``hf`` folder). A vision-language model (an
-    ``export --hf`` folder as ``model``, or such a config as ``hf``) is packaged with its three components
-    (``serve.genai_vlm``; ``image_size`` as ``export --hf --image-size``).
+    ``generation_config.json``'s defaults from (default: the ``hf`` folder). A vision-language model:
+    ``rope_export.serve.genai_vlm.package_genai_vlm``.
     """
     from rope_export.common.fileio import check_writable, commit_moves, staging_dir
     from rope_export.files import onnx_files
@@ -237,15 +235,6 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
     if target not in TARGETS:
         raise ServeError(f"target {target!r}: onnxruntime-genai runs {' or '.join(TARGETS)}")
     out = Path(out)
-    from rope_export.serve.genai_vlm import is_vlm_source, package_genai_vlm
-
-    if is_vlm_source(model, hf):  # a vision-language model: its three components and the image processor's config
-        if kv_buffer:
-            raise ServeError("--kv-buffer is for causal LMs; a vision-language folder's decoder grows its cache by "
-                             "Concat")
-        return package_genai_vlm(out, folder=None if model is None else Path(model), hf=hf, weights=weights,
-                                 tokenizer=tokenizer, target=target, dtype=dtype, seed=seed, image_size=image_size,
-                                 external=external, progress=say)
     _check_output(out)
     beside = out.with_name(out.name + ".package")  # check_writable and staging_dir take a file's path, not a folder's
     check_writable(beside)

@@ -117,7 +117,7 @@ def vlm_genai_config(graphs: dict, hf_config, manifest: dict, *, generation: dic
     return config
 
 
-def package_genai_vlm(out: Path, *, folder: Path | None = None, hf=None, weights=None, tokenizer=None,
+def package_genai_vlm(out, *, folder: Path | None = None, hf=None, weights=None, tokenizer=None,
                       target: str = "onnx", dtype: str = "fp32", seed: int = 0, image_size: str | None = None,
                       external: str = "auto", progress: Callable[[str], None] | None = None):
     """The genai folder ``out`` of a VLM export ``folder`` (``export --hf VLM_DIR -o folder/``), or of ``hf``
@@ -131,6 +131,7 @@ def package_genai_vlm(out: Path, *, folder: Path | None = None, hf=None, weights
     from rope_export.passes import LoweringLog, lower
     from rope_export.serve.genai import (
         GENAI_CONFIG,
+        TARGETS,
         TOKENIZER_FILES,
         GenaiPackage,
         _check_output,
@@ -139,6 +140,11 @@ def package_genai_vlm(out: Path, *, folder: Path | None = None, hf=None, weights
     )
 
     say = progress or (lambda message: None)
+    if (folder is None) == (hf is None):
+        raise ServeError("give either a folder `export --hf VLM_DIR -o DIR/` wrote or --hf VLM_DIR")
+    if target not in TARGETS:
+        raise ServeError(f"target {target!r}: onnxruntime-genai runs {' or '.join(TARGETS)}")
+    out = Path(out)
     _check_output(out)
     beside = out.with_name(out.name + ".package")
     check_writable(beside)

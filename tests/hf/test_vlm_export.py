@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 import vlm_configs  # noqa: E402
 
 from rope_export import cli  # noqa: E402
-from rope_export.check.vlm import check_folder  # noqa: E402
+from rope_export.check.vlm_folder import check_folder  # noqa: E402
 from rope_export.hf.vlm import build_vlm, kinds  # noqa: E402
 from rope_export.hf.vlm.exporting import MANIFEST, export_vlm  # noqa: E402
 
@@ -62,6 +62,9 @@ def test_qwen2_5_vl_exports_whole_and_checks_from_the_command_line(tmp_path, cap
     printed = capsys.readouterr().out
     assert "vision PASS, embedding PASS, decoder PASS, pipeline PASS" in printed
     assert (tmp_path / "report" / "decoder" / "check.json").is_file()
+    # one component alone: its reference (the transformers submodule) is read from the file's metadata
+    assert cli.main(["check", str(out / "vision.onnx"), "--runners", "onnxruntime-cpu", "--no-sweep"]) == 0
+    assert "PyTorch (VisionEncoder" in capsys.readouterr().out
     # a VLM asked for one file is refused, naming the fix
     assert cli.main(["export", "--hf", str(folder), "-o", str(tmp_path / "out2"), "--layer", "0"]) == 2
     assert "--layer does not apply to a vision-language model" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """onnxruntime-genai runs the multimodal folder ``package genai`` writes, and generates transformers' tokens.
 
 A tiny random-weight VLM is saved with ``save_pretrained`` and a tokenizer (``vlm_configs``), packaged with
-``package_genai(--hf)``; the test makes a PNG image of the exported size. genai's own processor (the generated
-``processor_config.json``) turns the image and a prompt into pixel values and token ids; both must equal what
+``package_genai_vlm(hf=...)`` (Qwen2.5-VL) or from the folder ``export_vlm`` wrote (Mistral 3); the test makes a PNG
+image of the exported size. genai's own processor (the generated ``processor_config.json``) turns the image and a
+prompt into pixel values and token ids; both must equal what
 transformers' image processor (the PIL one) and tokenizer make, and genai's greedy tokens must equal
 transformers' ``generate(do_sample=False)``. The weights are scaled up so that the tokens depend on the image:
 another image must change transformers' tokens (else equal tokens would prove nothing about the vision path).
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "hf"))
 import vlm_configs  # noqa: E402
 
 from rope_export.hf.vlm import ImageSize, build_vlm, kind_of  # noqa: E402
-from rope_export.serve.genai import package_genai  # noqa: E402
+from rope_export.hf.vlm.exporting import export_vlm  # noqa: E402
+from rope_export.serve.genai_vlm import package_genai_vlm  # noqa: E402
 
 NEW_TOKENS = 12
 PROMPTS = {"qwen2_5_vl": "describe <|vision_start|><|image_pad|><|vision_end|> the cat",
@@ -105,7 +107,11 @@ def test_genai_generates_transformers_tokens_from_an_image_and_a_prompt(model_ty
     model = _model(model_type)
     folder = vlm_configs.save_folder(model, tmp_path / "model")
     size = ImageSize.parse(vlm_configs.IMAGE_SIZES[model_type])
-    package = package_genai(tmp_path / "genai", hf=folder, image_size=str(size))
+    if model_type == "qwen2_5_vl":  # exported by package genai itself
+        package = package_genai_vlm(tmp_path / "genai", hf=folder, image_size=str(size))
+    else:  # a folder `export --hf` wrote, the tokenizer from the model folder
+        export_vlm(build_vlm(folder), tmp_path / "export", image_size=size, weights=str(folder))
+        package = package_genai_vlm(tmp_path / "genai", folder=tmp_path / "export", tokenizer=folder)
     config = json.loads((tmp_path / "genai" / "genai_config.json").read_text())
     assert config == package.config and config["model"]["type"] == model_type
     assert config["model"]["decoder"]["inputs"]["inputs_embeds"] == "inputs_embeds"
