@@ -54,7 +54,8 @@ class Rebuilt:
 
 
 def rebuild(mf: ModelFile, *, weights=None, seed: int | None = None, random_weights: bool = False) -> Rebuilt:
-    from rope_export.check.metadata import read_hf_info
+    from rope_export.check.metadata import MAX_SEED, _dtype, _int, _json, transformers_bytes
+    from rope_export.check.model_file import memory_limit_bytes, require_memory
     from rope_export.check.references import _config_from
     from rope_export.check.weights import choose_weights
     from rope_export.hf.cache_io import cache_layout
@@ -62,25 +63,24 @@ def rebuild(mf: ModelFile, *, weights=None, seed: int | None = None, random_weig
     from rope_export.hf.vlm import Geometry, build_vlm, kind_of
 
     record = vlm_record(mf)
-    info = read_hf_info(mf, mf_memory_limit())
-    choice = choose_weights(recorded=info.weights, recorded_seed=info.seed, weights=weights,
+    config_dict, dtype = _json(mf, "hf_config"), _dtype(mf)  # every component records them (the decoder's RoPE too)
+    if not isinstance(config_dict, dict):
+        raise CheckError(f"{mf.label}: metadata rope_export.hf_config is not a config table; re-export the folder")
+    require_memory("the transformers model of the metadata", transformers_bytes(config_dict, dtype),
+                   memory_limit_bytes(None))
+    recorded = mf.metadata.get("hf_weights") or "random"
+    choice = choose_weights(recorded=None if recorded == "random" else recorded,
+                            recorded_seed=_int(mf, "seed", 0, 0, MAX_SEED), weights=weights,
                             random_weights=random_weights, seed=seed)
-    config = _config_from(info.config)
+    config = _config_from(config_dict)
     try:
-        model = build_vlm(config, choice.folder, dtype=info.dtype, seed=choice.seed,
-                          random_weights=choice.folder is None)
+        model = build_vlm(config, choice.folder, dtype=dtype, seed=choice.seed, random_weights=choice.folder is None)
         kind = kind_of(config)
         geometry = Geometry.from_dict(record["image"])
         layout = cache_layout(kind.text_model(model))
     except (HFExportError, ValueError, KeyError, TypeError) as exc:
         raise CheckError(f"{mf.label}: the transformers model it records cannot be rebuilt: {exc}") from None
     return Rebuilt(model, kind, geometry, layout, [choice.note] if choice.note else [], choice.to_dict())
-
-
-def mf_memory_limit() -> int | None:
-    from rope_export.check.model_file import memory_limit_bytes
-
-    return memory_limit_bytes(None)
 
 
 def component_module(rebuilt: Rebuilt, name: str):

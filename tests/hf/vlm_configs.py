@@ -67,6 +67,13 @@ CONFIGS = {
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                            deepstack_visual_indexes=[0, 1]),
         **_qwen_tokens()),
+    "qwen3_vl_moe": lambda: transformers.Qwen3VLMoeConfig(
+        text_config=dict(**TEXT, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         decoder_sparse_step=1, rope_parameters=_rope(mrope_section=[2, 1, 1], mrope_interleaved=True)),
+        vision_config=dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=32,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        **_qwen_tokens()),
     "mistral3": lambda: transformers.Mistral3Config(
         text_config=dict(model_type="mistral", **TEXT, head_dim=8),
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -82,11 +89,26 @@ CONFIGS = {
         image_token_index=token("<|image|>")),
 }
 # height x width in pixels, on each type's merged-token grid, not square (a transposed grid would not fit)
-IMAGE_SIZES = {"qwen2_vl": "56x84", "qwen2_5_vl": "112x84", "qwen3_vl": "64x96", "mistral3": "32x48", "llama4": "32x32"}
+IMAGE_SIZES = {"qwen2_vl": "56x84", "qwen2_5_vl": "112x84", "qwen3_vl": "64x96", "qwen3_vl_moe": "64x96",
+               "mistral3": "32x48", "llama4": "32x32"}
 
 
 def tiny_config(model_type: str):
     return CONFIGS[model_type]()
+
+
+def trained_like(model, factor: float = 8.0):
+    """The weight matrices scaled by ``factor``: transformers' initialisation (std 0.02) leaves attention almost
+    uniform in a tiny model, so positions barely move the outputs (a transposed vision grid changed Qwen2.5-VL's
+    image features by 5e-6 of 0.1); scaled, attention logits are large as in trained models and a position fault
+    changes them by percents."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.mul_(factor)
+    return model
 
 
 def save_folder(model, folder: Path) -> Path:
