@@ -35,12 +35,8 @@ PROMPTS = {"qwen2_5_vl": "describe <|vision_start|><|image_pad|><|vision_end|> t
 
 
 def _model(model_type: str):
-    model = build_vlm(vlm_configs.tiny_config(model_type), seed=0)
-    with torch.no_grad():  # tiny random weights make near-uniform logits; scaled, the image moves the tokens
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.mul_(8.0)
-    return model
+    # tiny random weights make near-uniform logits; scaled, the image moves the tokens
+    return vlm_configs.trained_like(build_vlm(vlm_configs.tiny_config(model_type), seed=0))
 
 
 def _image(path: Path, size: ImageSize, seed: int) -> Path:
