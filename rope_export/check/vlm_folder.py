@@ -165,33 +165,3 @@ def print_folder_report(report: VLMCheckReport, console) -> None:
                   f"{report.pipeline.tokens} (transformers {report.pipeline.reference_tokens})")
     verdicts = ", ".join(f"{name} {'PASS' if r.passed else 'FAIL'}" for name, r in report.components.items())
     console.print(f"{verdicts}, pipeline {report.pipeline.status.upper()}")
-
-
-FOLDER_OPTIONS = ("reference", "hf", "module", "inputs", "batch", "seq", "past", "long_seq", "memory_limit",
-                  "max_in_memory", "piece_limit")
-
-
-def run_folder_check(args, runners, console) -> int:
-    """``rope-export check OUT_DIR/``: exit 0 when every component and the pipeline pass, 1 otherwise."""
-    import sys
-
-    from rope_export.check.report import write_reports
-    from rope_export.common.steps import cli_steps
-
-    given = [name for name in FOLDER_OPTIONS if getattr(args, name, None) not in (None, False)]
-    if given:
-        raise CheckError(f"--{given[0].replace('_', '-')} is for one file; check a component file of the folder "
-                         "with it")
-    with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
-        report = check_folder(args.model, runners, weights=args.weights, seed=args.seed,
-                              random_weights=args.random_weights, sweep=not args.no_sweep, plugin_library=args.plugin,
-                              progress=progress)
-    print_folder_report(report, console)
-    if args.report:
-        for name, component in report.components.items():
-            for path in write_reports(component, Path(args.report) / name):
-                console.print(f"wrote {path}")
-    if not report.passed:
-        print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
-        return 1
-    return 0

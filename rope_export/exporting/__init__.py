@@ -1,5 +1,5 @@
 """The export core the three front ends share (presets, ``export --hf``, ``export_module``): torch.onnx's
-program to a checked file with the rotary op, weights streamed; checkpoints; torch.onnx's console output.
+program to a checked file with the rotary op, weights streamed; torch.onnx's console output.
 
 The names here import neither torch nor onnx, so that ``rope-export export --help`` answers at once."""
 

@@ -117,27 +117,18 @@ def vlm_genai_config(graphs: dict, hf_config, manifest: dict, *, generation: dic
     return config
 
 
-def package_genai_vlm(out, *, folder: Path | None = None, hf=None, weights=None, tokenizer=None,
-                      target: str = "onnx", dtype: str = "fp32", seed: int = 0, image_size: str | None = None,
-                      external: str = "auto", progress: Callable[[str], None] | None = None):
+def package_genai_vlm(out, *, folder: Path | None = None, hf=None, weights=None, random_weights: bool = False,
+                      tokenizer=None, target: str = "onnx", dtype: str = "fp32", seed: int = 0,
+                      image_size: str | None = None, external: str = "auto",
+                      progress: Callable[[str], None] | None = None):
     """The genai folder ``out`` of a VLM export ``folder`` (``export --hf VLM_DIR -o folder/``), or of ``hf``
-    exported here (``weights``, ``seed``, ``image_size`` as ``export --hf``). See the module docstring."""
-    import onnx
-
+    exported here (``weights``, ``random_weights``, ``seed``, ``image_size`` as ``export --hf``); ``tokenizer``:
+    the folder to copy the tokenizer, ``generation_config.json``'s and ``preprocessor_config.json``'s values from
+    (default: ``hf``). See the module docstring."""
     from rope_export.common.fileio import check_writable, commit_moves, staging_dir
-    from rope_export.files import onnx_files
-    from rope_export.hf.vlm.exporting import FILES, MANIFEST, export_vlm
+    from rope_export.hf.vlm.exporting import MANIFEST
     from rope_export.hf.vlm.kinds import GENAI_TYPES
-    from rope_export.passes import LoweringLog, lower
-    from rope_export.serve.genai import (
-        GENAI_CONFIG,
-        TARGETS,
-        TOKENIZER_FILES,
-        GenaiPackage,
-        _check_output,
-        _hf_folder,
-        _read_json,
-    )
+    from rope_export.serve.genai import TARGETS, GenaiPackage, _check_output, _hf_folder, _read_json
 
     say = progress or (lambda message: None)
     if (folder is None) == (hf is None):
@@ -151,21 +142,8 @@ def package_genai_vlm(out, *, folder: Path | None = None, hf=None, weights=None,
     notes: list[str] = []
     with staging_dir(beside) as stage:
         if folder is None:
-            from rope_export.hf.loading import load_hf_config, weights_beside
-            from rope_export.hf.vlm import build_vlm
-
-            config = load_hf_config(hf)
-            if config.model_type not in GENAI_TYPES:
-                raise ServeError(_unsupported(config.model_type))
-            weights = weights if weights is not None else weights_beside(hf)
-            if weights is None:
-                notes.append(f"random weights (seed {seed}): {hf} holds no weights and no --weights was given")
-            say(f"building the model from {hf}")
-            model = build_vlm(config, weights, dtype=dtype, seed=seed, random_weights=weights is None, progress=say)
-            folder = stage / "exported"
-            export_vlm(model, folder, image_size=image_size, weights=None if weights is None else str(weights),
-                       seed=seed, progress=say)
-            del model
+            folder = _export_here(hf, stage / "exported", weights=weights, random_weights=random_weights, dtype=dtype,
+                                  seed=seed, image_size=image_size, notes=notes, say=say)
         manifest = _read_json(Path(folder) / MANIFEST)
         if manifest is None:
             raise ServeError(f"{folder} has no {MANIFEST}: give a folder `rope-export export --hf VLM_DIR -o DIR/` "
@@ -174,41 +152,83 @@ def package_genai_vlm(out, *, folder: Path | None = None, hf=None, weights=None,
             raise ServeError(_unsupported(manifest["model_type"]))
         package = stage / "package"
         package.mkdir()
-        graphs, hf_config = {}, None
-        for name, file in FILES.items():
-            say(f"lowering the rotary nodes of {file} to {target}")
-            ir_model = onnx_files.load(Path(folder) / file)
-            if hf_config is None:
-                from rope_export.serve.genai import _file_config
-
-                hf_config = _file_config(ir_model, Path(folder) / file)
-            log = LoweringLog()
-            written = onnx_files.write(lower(ir_model, target, log=log), package / file, external=external,
-                                       progress=say)
-            notes += log.notes
-            graphs[name] = onnx.load(str(written.path), load_external_data=False).graph
+        graphs, hf_config = _lowered(Path(folder), package, target, external, notes, say)
         source = _hf_folder(tokenizer) if tokenizer is not None else _hf_folder(hf)
-        generation = _read_json(source / "generation_config.json") if source is not None else None
-        config = vlm_genai_config(graphs, hf_config, manifest, generation=generation)
-        preprocessor = _read_json(source / "preprocessor_config.json") if source is not None else None
-        if preprocessor is None:
-            notes.append("no preprocessor_config.json in the model folder: the image mean, std and rescale factor are "
-                         f"the {manifest['model_type']} image processor's defaults")
-        (package / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        processor = processor_config(manifest["model_type"], manifest, hf_config.vision_config, preprocessor)
-        (package / PROCESSOR_CONFIG).write_text(json.dumps(processor, indent=2) + "\n", encoding="utf-8")
-        copied = [name for name in TOKENIZER_FILES if source is not None and (source / name).is_file()]
-        for name in copied:
-            (package / name).write_bytes((source / name).read_bytes())
-        if not copied:
-            notes.append("no tokenizer files copied (none found): genai's processor needs the tokenizer; copy "
-                         "tokenizer.json and tokenizer_config.json into the folder")
-        notes.append(f"images are resized to {manifest['image']['height']}x{manifest['image']['width']} pixels, the "
-                     "size the vision encoder was exported for")
+        config = _write_configs(package, graphs, hf_config, manifest, source, notes)
         say(f"moving the package into {out}")
         commit_moves([(package, out)], trash=stage / ".replaced")
     files = sorted(p for p in out.iterdir() if p.is_file())
     return GenaiPackage(out, config, files, notes)
+
+
+def _export_here(hf, folder: Path, *, weights, random_weights: bool, dtype: str, seed: int, image_size, notes: list,
+                 say) -> Path:
+    """``export --hf hf -o folder/`` (the folder's own weights unless told otherwise, as ``export --hf``)."""
+    from rope_export.hf.loading import load_hf_config, weights_beside
+    from rope_export.hf.vlm import build_vlm
+    from rope_export.hf.vlm.exporting import export_vlm
+    from rope_export.hf.vlm.kinds import GENAI_TYPES
+
+    config = load_hf_config(hf)
+    if config.model_type not in GENAI_TYPES:
+        raise ServeError(_unsupported(config.model_type))
+    if random_weights and weights is not None:
+        raise ServeError("--random-weights and --weights exclude each other: give one")
+    weights = weights if weights is not None or random_weights else weights_beside(hf)
+    if weights is None:
+        why = "--random-weights" if random_weights else f"{hf} holds no weights and no --weights was given"
+        notes.append(f"random weights (seed {seed}): {why}")
+    say(f"building the model from {hf}")
+    model = build_vlm(config, weights, dtype=dtype, seed=seed, random_weights=weights is None, progress=say)
+    export_vlm(model, folder, image_size=image_size, weights=None if weights is None else str(weights), seed=seed,
+               progress=say)
+    return folder
+
+
+def _lowered(folder: Path, package: Path, target: str, external: str, notes: list, say) -> tuple[dict, object]:
+    """Each component lowered to ``target`` into ``package``: ({name: its graph}, the transformers config)."""
+    import onnx
+
+    from rope_export.files import onnx_files
+    from rope_export.hf.vlm.exporting import FILES
+    from rope_export.passes import LoweringLog, lower
+    from rope_export.serve.genai import _file_config
+
+    graphs, hf_config = {}, None
+    for name, file in FILES.items():
+        say(f"lowering the rotary nodes of {file} to {target}")
+        ir_model = onnx_files.load(folder / file)
+        hf_config = hf_config or _file_config(ir_model, folder / file)
+        log = LoweringLog()
+        written = onnx_files.write(lower(ir_model, target, log=log), package / file, external=external, progress=say)
+        if name != "embedding":  # the merge has no rotary node to lower: nothing to say
+            notes += log.notes
+        graphs[name] = onnx.load(str(written.path), load_external_data=False).graph
+    return graphs, hf_config
+
+
+def _write_configs(package: Path, graphs: dict, hf_config, manifest: dict, source: Path | None, notes: list) -> dict:
+    """``genai_config.json``, ``processor_config.json`` and the tokenizer files; the genai config."""
+    from rope_export.serve.genai import GENAI_CONFIG, TOKENIZER_FILES, _read_json
+
+    generation = _read_json(source / "generation_config.json") if source is not None else None
+    config = vlm_genai_config(graphs, hf_config, manifest, generation=generation)
+    preprocessor = _read_json(source / "preprocessor_config.json") if source is not None else None
+    if preprocessor is None:
+        notes.append("no preprocessor_config.json in the model folder: the image mean, std and rescale factor are "
+                     f"the {manifest['model_type']} image processor's defaults")
+    (package / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    processor = processor_config(manifest["model_type"], manifest, hf_config.vision_config, preprocessor)
+    (package / PROCESSOR_CONFIG).write_text(json.dumps(processor, indent=2) + "\n", encoding="utf-8")
+    copied = [name for name in TOKENIZER_FILES if source is not None and (source / name).is_file()]
+    for name in copied:
+        (package / name).write_bytes((source / name).read_bytes())
+    if not copied:
+        notes.append("no tokenizer files copied (none found): genai's processor needs the tokenizer; copy "
+                     "tokenizer.json and tokenizer_config.json into the folder")
+    notes.append(f"images are resized to {manifest['image']['height']}x{manifest['image']['width']} pixels, the size "
+                 "the vision encoder was exported for")
+    return config
 
 
 def _unsupported(model_type: str) -> str:

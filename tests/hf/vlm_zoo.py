@@ -113,7 +113,7 @@ def _own(config) -> dict:
 def build(model_type: str):
     import transformers
 
-    from rope_export.exporting.checkpoints import build_causal_lm
+    from rope_export.hf.checkpoints import build_causal_lm
     from rope_export.hf.loading import EXPERTS_IMPLEMENTATION
 
     model, _ = build_causal_lm(transformers.AutoModelForImageTextToText, tiny_config(model_type), torch.float32,

@@ -6,7 +6,9 @@
 * ``components``: the vision encoder, the merge of image features into the token embeddings, the decoder with
   its cache, as modules calling the model's own code;
 * ``exporting``: ``export_vlm``, each component through the export core with its rotations counted;
-* ``cli``: what ``export --hf`` runs for such a model.
+* ``pipeline``: the whole pipeline as a serving stack runs it, and transformers' answer (for ``check``).
+
+``rope-export export --hf`` routes such a model to ``rope_export.cli.export_vlm``.
 
 transformers is imported lazily: the package imports without it.
 """

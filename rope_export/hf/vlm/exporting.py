@@ -44,7 +44,7 @@ from rope_export.exporting.core import (
 from rope_export.hf.cache_io import CacheLayout, cache_layout, check_sliding_layers
 from rope_export.hf.counting import count_and_compare, eager_rotations
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.exporting import _export, _export_failure, _fuse
+from rope_export.hf.export import _export, _export_failure, _fuse
 from rope_export.hf.families import family_of, text_config
 from rope_export.hf.hooking import detect, model_state_kept, rotary_hooked
 from rope_export.hf.metadata import hf_metadata

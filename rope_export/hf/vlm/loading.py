@@ -26,7 +26,7 @@ def build_vlm(config, weights: str | os.PathLike | None = None, *, dtype: str = 
     would use (see ``rope_export.hf.build_hf_model``)."""
     import transformers
 
-    from rope_export.exporting.checkpoints import CheckpointError, build_causal_lm
+    from rope_export.hf.checkpoints import CheckpointError, build_causal_lm
 
     if random_weights and weights is not None:
         raise HFExportError("random_weights=True and weights exclude each other: give one")

@@ -1,15 +1,14 @@
-"""The ``export`` command's parser: a preset (the default), your own module (``--module``) or a transformers
-folder (``--hf``). Only names and help live here, so ``rope-export export --help`` imports neither torch nor
-transformers; a run imports the one path it takes (``rope_export.presets.export``, ``module_export`` or ``hf.cli``)."""
+"""``rope-export export``: a preset's attention block (the default), your own module (``--module``) or a
+transformers folder (``--hf``, run by ``rope_export.cli.export_hf``). The parser names only options and help, so
+``rope-export export --help`` imports neither torch nor transformers; a run imports the one front end it takes
+(``rope_export.presets.export``, ``rope_export.blocks.export`` or ``rope_export.hf``)."""
 
 from __future__ import annotations
 
-import importlib
-
-from rope_export.cli.options import add_output_arguments
+from rope_export.cli.options import add_model_source_arguments, add_output_arguments
 from rope_export.exporting import DTYPE_NAMES, FACTORY_HELP, HF_FALLBACKS, HF_TRACES, MIN_OPSET
 
-# The options only export --hf takes: any of them routes the call to run_hf_export.
+# The options only export --hf takes: any of them routes the call to cli.export_hf.run_hf_export.
 HF_ONLY = ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family", "attention_mask", "kv_buffer",
            "trace", "image_size")
 
@@ -23,7 +22,6 @@ def register(subparsers) -> None:
                         help="add past_key/past_value inputs: one file for prefill (past 0) and decode")
     parser.add_argument("--cache-len", type=int, default=None,
                         help="rows of the cos/sin caches (default: the preset's max_position_embeddings)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     parser.add_argument("--compare-decomposed", action="store_true",
                         help="also export the block with decomposed RoPE and report the node-count reduction")
     parser.add_argument("--verbose", action="store_true",
@@ -40,18 +38,10 @@ def register(subparsers) -> None:
 
 def add_hf_arguments(parser) -> None:
     """``--hf CONFIG_DIR_OR_JSON`` and the options that go with it."""
-    group = parser.add_argument_group("Hugging Face transformers models (instead of --preset)")
-    group.add_argument("--hf", metavar="CONFIG_DIR_OR_JSON", default=None,
-                       help="export a transformers causal LM built from this local config (folder or .json); any "
-                            "RoPE model type: its rotary function is found by code and verified. The file always "
-                            "has a KV cache (prefill: past 0)")
-    group.add_argument("--weights", metavar="DIR", default=None,
-                       help="local folder with the checkpoint save_pretrained wrote (safetensors or .bin, sharded or "
-                            "not; default: the one in the --hf folder, or in the folder holding the .json); no hub "
-                            "access")
-    group.add_argument("--random-weights", action="store_true", default=None,
-                       help="export random weights (--seed) even where the --hf folder holds a checkpoint: not a "
-                            "trained model (a folder with a config only always gives random weights)")
+    group = add_model_source_arguments(
+        parser, "export a transformers model built from this local config (folder or .json) instead of a preset; "
+                "any RoPE model type: its rotary function is found by code and verified. A causal LM's file always "
+                "has a KV cache (prefill: past 0)")
     group.add_argument("--allow-no-rope", action="store_true", default=None,
                        help="write the file even when the model performs no rotary position embedding (a warning "
                             "instead of the error)")
@@ -89,8 +79,73 @@ def wants_hf_export(args) -> bool:
 
 
 def run(args) -> int:
+    args.seed = 0 if args.seed is None else args.seed  # check reads "not given" as the file's own seed; export: 0
     if wants_hf_export(args):
-        return importlib.import_module("rope_export.hf.cli").run_hf_export(args)
+        from rope_export.cli.export_hf import run_hf_export
+
+        return run_hf_export(args)
     if args.module:
-        return importlib.import_module("rope_export.blocks.export").run_module_export(args)
-    return importlib.import_module("rope_export.presets.export").run_preset_export(args)
+        return run_module_export(args)
+    return run_preset_export(args)
+
+
+def run_preset_export(args) -> int:
+    """``rope-export export [--preset NAME] -o OUT.onnx`` ."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rope_export.common.steps import cli_steps
+    from rope_export.exporting.core import summarize
+    from rope_export.files.onnx_files import output_files
+    from rope_export.op import contract
+    from rope_export.presets.export import decomposed_export, export
+
+    console = Console()
+    with cli_steps(console, f"rope-export export: {args.output}", args.summary_json) as steps:
+        result = export(args.preset, args.output, dtype=args.dtype, opset=args.opset, decode=args.decode,
+                        seed=args.seed, cache_len=args.cache_len, external=args.external_data, progress=steps,
+                        verbose=args.verbose)
+        baseline = None
+        if args.compare_decomposed:
+            steps("exporting the same block with decomposed RoPE, for comparison")
+            baseline = decomposed_export(result.preset, args.dtype, args.decode, args.opset, args.cache_len)
+        steps.add_files(output_files(args.output))
+    summary = summarize(result.model)
+    table = Table(title=f"{result.path} ({result.preset.name}, {args.dtype})")
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("nodes", str(summary["nodes"]))
+    table.add_row(f"{contract.DOMAIN}::{contract.OP_TYPE} nodes", str(summary["custom_nodes"]))
+    for name, dims in summary["inputs"].items():
+        table.add_row(f"input {name}", str(dims))
+    for name, dims in summary["outputs"].items():
+        table.add_row(f"output {name}", str(dims))
+    table.add_row("opsets", str(summary["opsets"]))
+    if baseline is not None:
+        plain = len(baseline.graph.node)
+        table.add_row("nodes with decomposed RoPE", f"{plain} ({plain - summary['nodes']} fewer with the op, "
+                      f"{summary['nodes'] / plain:.0%} of the plain export)")
+    console.print(table)
+    return 0
+
+
+def run_module_export(args) -> int:
+    """``rope-export export --module SPEC -o OUT.onnx [--opset N] [--allow-decomposed]``."""
+    from rich.console import Console
+
+    from rope_export.blocks.export import export_module, load_factory
+    from rope_export.common.fileio import check_writable
+    from rope_export.common.steps import cli_steps
+    from rope_export.files.onnx_files import output_files
+
+    console = Console()
+    check_writable(args.output)  # before importing the user's module and tracing it
+    parts = load_factory(args.module)
+    with cli_steps(console, f"rope-export export --module: {args.output}", args.summary_json) as progress:
+        result = export_module(parts.pop("module"), parts.pop("args"), parts.pop("kwargs", None), output=args.output,
+                               opset=args.opset, allow_decomposed=args.allow_decomposed, external=args.external_data,
+                               progress=progress, verbose=args.verbose, **parts)
+        progress.add_files(output_files(args.output))
+    console.print(result.as_text(), markup=False, highlight=False)
+    console.print(f"{result.rotary_nodes} rotary node(s) for {len(result.census.plain)} rotation(s): {result.path}")
+    return 0

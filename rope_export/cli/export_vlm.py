@@ -1,4 +1,5 @@
-"""``rope-export export --hf VLM_DIR -o OUT_DIR/``: what the ``--hf`` export runs for a vision-language model."""
+"""``rope-export export --hf VLM_DIR -o OUT_DIR/``: what the ``--hf`` export runs for a vision-language model
+(``rope_export.hf.vlm``), routed here from ``cli/export_hf.py``."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def run_vlm_export(args, weights, weights_line: str) -> int:
     from rope_export.common.tables import console as make_console
     from rope_export.common.tables import print_table
     from rope_export.common.tables import table as make_table
-    from rope_export.exporting.checkpoints import weights_fact
+    from rope_export.hf.checkpoints import weights_fact
     from rope_export.hf.vlm.exporting import check_output_folder, export_vlm
     from rope_export.hf.vlm.loading import build_vlm
 

@@ -1,13 +1,13 @@
 """``rope-export export --hf CONFIG``: what the ``export`` command runs when any of its transformers options is
-given (the options: ``rope_export.cli.export_command``, which imports neither torch nor transformers)."""
+given (the options: ``rope_export.cli.export``, which imports neither torch nor transformers)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rope_export.exporting.checkpoints import weights_fact
+from rope_export.hf.checkpoints import weights_fact
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.exporting import export_hf
+from rope_export.hf.export import export_hf
 from rope_export.hf.families import HF_FAMILIES
 from rope_export.hf.loading import build_hf_model, weights_beside
 from rope_export.hf.versions import said_when_untested
@@ -40,7 +40,7 @@ def run_hf_export(args) -> int:
                 f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
                 "the graph and the model is exported as it is"
             )
-    from rope_export.hf.vlm.cli import run_vlm_export, wants_vlm_export
+    from rope_export.cli.export_vlm import run_vlm_export, wants_vlm_export
 
     whole_vlm = wants_vlm_export(args)  # a vision-language model whole: a folder of components
     if not whole_vlm:
