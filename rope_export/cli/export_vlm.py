@@ -18,10 +18,16 @@ def wants_vlm_export(args) -> bool:
         if getattr(args, "image_size", None):
             raise HFExportError("--image-size is for a vision-language model exported whole: give -o OUT_DIR/")
         return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
     from rope_export.hf.loading import load_hf_config
+    from rope_export.hf.vlm import kind_of
     from rope_export.hf.vlm.loading import is_vlm
 
-    return is_vlm(load_hf_config(args.hf))
+    config = load_hf_config(args.hf)
+    if not is_vlm(config) and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        kind_of(config)  # an image-text-to-text type rope-export has no entry for: refused, naming what is covered
+    return is_vlm(config)
 
 
 def run_vlm_export(args, weights, weights_line: str) -> int:

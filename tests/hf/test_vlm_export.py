@@ -79,6 +79,17 @@ def test_qwen2_5_vl_exports_whole_and_checks_from_the_command_line(tmp_path, cap
     assert "--layer does not apply to a vision-language model" in capsys.readouterr().err
 
 
+def test_an_image_text_to_text_type_without_an_entry_is_refused_naming_the_covered_types(tmp_path, capsys):
+    import vlm_zoo
+
+    folder = tmp_path / "llava"
+    vlm_zoo.build("llava").save_pretrained(folder)
+    assert cli.main(["export", "--hf", str(folder), "-o", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert "llava: rope-export exports these vision-language types whole: " in error and "qwen2_5_vl" in error
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", [t for t in TYPES if t != "qwen2_5_vl"])
 def test_each_type_exports_whole_and_checks_against_transformers(model_type, tmp_path):

@@ -90,7 +90,8 @@ CONFIGS = {
 }
 # height x width in pixels, on each type's merged-token grid, not square (a transposed grid would not fit)
 IMAGE_SIZES = {"qwen2_vl": "56x84", "qwen2_5_vl": "112x84", "qwen3_vl": "64x96", "qwen3_vl_moe": "64x96",
-               "mistral3": "32x48", "llama4": "32x32"}
+               "mistral3": "32x48", "llama4": "32x32", "glm4v": "56x84", "glm4v_moe": "56x84", "glm46v": "56x84",
+               "glm_ocr": "56x84", "glmga": "56x84", "cosmos3_omni": "64x96"}
 
 
 def tiny_config(model_type: str):

@@ -213,9 +213,8 @@ def check_type(model_type: str) -> VLMZooResult:
             result.status, result.reason = "no-rope", "neither tower rotates in an eager forward"
         else:
             result.status = "refused"
-            result.reason = (f"rotations in eager transformers: {found}; rope-export has no vision-language entry for "
-                             "this type (rope_export.hf.vlm.kinds): export its text tower with export --hf -o FILE.onnx"
-                             + (f"; {'; '.join(towers)}" if towers else ""))
+            result.reason = (f"rotations in eager transformers: {found}; rope-export has no vision-language entry "
+                             "for it (export --hf refuses it, naming the types it covers)")
         result.seconds = time.perf_counter() - start
         return result
     result.reason = found

@@ -277,9 +277,11 @@ class VLMKind:
 
 
 KINDS: dict[str, VLMKind] = {kind.name: kind for kind in (
-    VLMKind("qwen_vl", ("qwen2_vl", "qwen2_5_vl"), _qwen_unit, _qwen_geometry, _qwen_features, _qwen_precomputed,
+    VLMKind("qwen_vl", ("qwen2_vl", "qwen2_5_vl", "glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga",
+                        "cosmos3_omni"), _qwen_unit, _qwen_geometry, _qwen_features, _qwen_precomputed,
             position_rank=3,
-            notes="mRoPE decoder (3 position rows); 2-D vision rotation (and Qwen2.5-VL's windows) from the grid"),
+            notes="Qwen2-VL-style towers (Qwen2-VL, Qwen2.5-VL, the GLM-4V family, Cosmos3-Omni): mRoPE decoder (3 "
+                  "position rows); 2-D vision rotation (and Qwen2.5-VL's windows) from the grid"),
     VLMKind("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), _qwen_unit, _qwen_geometry, _qwen_features, _qwen_precomputed,
             position_rank=3, feature_names=("image_features", "deepstack_features"), decode=_decode_deepstack,
             decoder_extras=("image_mask", "deepstack_features"),
@@ -298,6 +300,7 @@ MODEL_TYPES: dict[str, VLMKind] = {t: kind for kind in KINDS.values() for t in k
 def kind_of(config) -> VLMKind:
     kind = MODEL_TYPES.get(getattr(config, "model_type", None))
     if kind is None:
-        raise HFExportError(f"{config.model_type}: rope-export has no vision-language entry for this model type "
-                            f"(covered: {', '.join(sorted(MODEL_TYPES))})")
+        raise HFExportError(f"{config.model_type}: rope-export exports these vision-language types whole: "
+                            f"{', '.join(sorted(MODEL_TYPES))}; this one has no entry (rope_export.hf.vlm.kinds), "
+                            "export its text model type alone (docs/transformers.md's zoo)")
     return kind
