@@ -56,7 +56,8 @@ def add_hf_arguments(parser) -> None:
                             "so a decode step does not copy the whole past (onnxruntime-genai: "
                             "past_present_share_buffer true)")
     group.add_argument("--image-size", metavar="HxW", default=None,
-                       help="a vision-language model (Qwen2/2.5/3-VL, Mistral 3, Llama 4) exports whole to -o OUT_DIR/ "
+                       help="a vision-language model (Qwen2/2.5/3-VL, Mistral 3, Llama 4, GLM-4V) exports whole to "
+                            "-o OUT_DIR/ "
                             "(vision encoder, embedding merge, decoder): the image size its vision encoder takes, in "
                             "pixels (default: the type's, e.g. 448x448; Llama 4: its tile size)")
     group.add_argument("--hf-family", metavar="FAMILY", default=None,

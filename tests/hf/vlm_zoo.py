@@ -162,8 +162,9 @@ def _pixels(vision) -> tuple:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+    """The exception's class and message on one line (strict-dataclass errors give their reason on a second)."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines()[:3] if line.strip())
+    return f"{type(exc).__name__}: {text[:240]}"
 
 
 def text_census(model) -> int:

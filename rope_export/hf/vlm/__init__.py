@@ -1,7 +1,8 @@
 """Vision-language models whole: ``export --hf VLM_DIR -o OUT_DIR/`` writes the components a serving stack runs.
 
-* ``kinds``: per kind of model (Qwen2/2.5-VL, Qwen3-VL, Mistral 3, Llama 4), the image geometry, what the
-  vision tower hands the decoder, the decoder's position rank and extras;
+* ``kinds``: per kind of model (Qwen2-VL-style: Qwen2/2.5-VL, the GLM-4V family, Cosmos3-Omni; Qwen3-VL;
+  Mistral 3; Llama 4), the image geometry, what the vision tower hands the decoder, the decoder's position rank
+  and extras;
 * ``loading``: ``is_vlm`` and ``build_vlm`` (offline, as ``build_hf_model``);
 * ``components``: the vision encoder, the merge of image features into the token embeddings, the decoder with
   its cache, as modules calling the model's own code;
