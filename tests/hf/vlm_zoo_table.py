@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+import hf_zoo_table
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "vlm_zoo_results.json"
 DOC = HERE.parent.parent / "docs" / "vision-language.md"
@@ -54,21 +56,11 @@ def render(results: dict[str, dict]) -> str:
 
 
 def doc_table(text: str) -> str:
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    return text[start:end]
-
-
-def merge(record: Path) -> dict[str, dict]:
-    results = load_results()
-    for line in record.read_text().splitlines():
-        if line.strip():
-            entry = json.loads(line)
-            results[entry["model_type"]] = {k: v for k, v in entry.items() if k not in ("model_type", "seconds")}
-    return dict(sorted(results.items()))
+    return hf_zoo_table.doc_table(text, BEGIN, END)
 
 
 def main(argv: list[str]) -> int:
-    results = merge(Path(argv[0])) if argv else load_results()
+    results = hf_zoo_table.merge(Path(argv[0]), load_results()) if argv else load_results()
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     text = DOC.read_text()
     DOC.write_text(text.replace(doc_table(text), render(results)))
