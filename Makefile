@@ -21,7 +21,7 @@ TRT_LEAN10_DIR := build/trt-lean-10
 export TENSORRT_INCLUDE_DIR
 export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
 
-.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-task-zoo hf-zoo-version lint clean
+.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-task-zoo hf-zoo-version lint clean vlm-zoo
 
 # Every install reads the lock (requirements/lock.txt): a fresh clone next month installs what passed
 # today. The build backend comes from the lock too (--no-build-isolation), so nothing unpinned is installed.
@@ -129,6 +129,13 @@ hf-task-zoo: setup plugin
 	HF_TASK_ZOO_RECORD=build/hf_task_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_task_zoo.py \
 		-k test_task_zoo_type || true
 	$(PY) tests/hf/hf_task_zoo_table.py build/hf_task_zoo.jsonl
+
+# The VLM zoo (tests/hf/test_vlm_zoo.py): every image-text-to-text type, recorded and rendered into
+# docs/vision-language.md.
+vlm-zoo: setup plugin
+	rm -f build/vlm_zoo.jsonl && mkdir -p build
+	VLM_ZOO_RECORD=build/vlm_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_vlm_zoo.py -k type_as || true
+	$(PY) tests/hf/vlm_zoo_table.py build/vlm_zoo.jsonl
 
 # The quick zoo (make test's third of it) on another transformers release, for docs/versions.md's version
 # table: make hf-zoo-version TRANSFORMERS=5.0.0. No lock (pip picks what that release needs), own venv.

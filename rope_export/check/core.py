@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from rope_export.check import cache_rows
+from rope_export.check import cache_rows, vlm
 from rope_export.check.compare import compare_against_pytorch, compare_output, token_errors, token_limit_ratios
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
@@ -129,7 +129,10 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
     check_runner_names(runners)
     limits = options.limits()
     say(f"opening {model if not isinstance(model, onnx.ModelProto) else 'the model'}")
-    subject = _read_subject(ModelFile.open(model), options, limits)
+    mf = ModelFile.open(model)
+    options, vlm_notes, vlm_feeds = _vlm_component(mf, options)
+    subject = _read_subject(mf, options, limits)
+    subject.notes[:0] = vlm_notes
     ref = _reference(subject, options, limits)
     say("comparing every row of the stored cos/sin caches")
     _read_caches(subject)
@@ -137,6 +140,7 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
     tol = for_layers(tolerance("block", DTYPES[subject.dtype]), layers)
     past_end = _past_end_allowed(subject, ref)
     cases, described = _cases(subject, ref, options, past_end, limits)
+    del vlm_feeds  # read into the cases: their scratch folder goes
     expected, rule, pytorch_layers = _run_reference(subject, ref, cases, layers, say)
     compared_outputs = ref.expected_outputs(subject.mf)
     missing = [o.name for o in subject.mf.outputs if o.name not in compared_outputs]
@@ -155,6 +159,18 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
         runners=reports, tables=subject.tables, inputs=described, cases=[c.name for c in cases], notes=subject.notes,
         preset=subject.preset.preset.name if subject.preset else "",
         sweep_tolerance=tolerance("op", DTYPES[subject.dtype]), weights=getattr(ref, "weights_source", {}))
+
+
+def _vlm_component(mf: ModelFile, options: CheckOptions):
+    """(options, notes, feeds to keep until the cases are read): a vision-language component file
+    (``check.vlm``) is compared with its transformers submodule, on its own cases where the stress cases do not
+    fit it; any other file, or a reference named, is left as it is."""
+    if options.module is not None or options.named_reference or vlm.vlm_record(mf) is None:
+        return options, [], None
+    module, notes, feeds = vlm.component_reference(mf, weights=options.weights, seed=options.seed,
+                                                   random_weights=options.random_weights)
+    inputs = options.inputs or (feeds.paths if feeds is not None else None)
+    return dataclasses.replace(options, module=module, inputs=inputs), notes, feeds
 
 
 def _read_subject(mf: ModelFile, options: CheckOptions, limits: Limits) -> _Subject:
@@ -236,7 +252,7 @@ def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits
     """The inputs every runner and the reference compute: the user's feeds, or stress cases sized by the flags,
     the file's metadata and the defaults; plus the example export_module recorded."""
     mf, hf_info, rope = subject.mf, subject.hf_info, subject.rope
-    vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
+    vocab = find_vocab(mf) or (_config_vocab(hf_info.config) if hf_info else None) or ref.vocab
     positions_in = tuple(dict.fromkeys(s.name for sl in subject.slices for s in sl.position_inputs
                                        if len(s.dims or ()) == 2))
     sizes = {k: v for k, v in dict(batch=options.batch, seq=options.seq, past=options.past,
@@ -347,6 +363,12 @@ def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end:
     elif not subject.slices and not subject.tables:
         subject.notes.append("no rotary node could be run alone (none in the file, or each for the reason noted); "
                              "the positions are covered by the cases only")
+
+
+def _config_vocab(config: dict):
+    """The vocabulary size a transformers config names (a multimodal config's text config holds it)."""
+    text = config.get("text_config")
+    return config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
 
 
 def _layers(mf: ModelFile) -> int:

@@ -10,7 +10,7 @@ from rope_export.exporting import DTYPE_NAMES, FACTORY_HELP, HF_FALLBACKS, HF_TR
 
 # The options only export --hf takes: any of them routes the call to cli.export_hf.run_hf_export.
 HF_ONLY = ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family", "attention_mask", "kv_buffer",
-           "trace", "task")
+           "trace", "task", "image_size")
 
 
 def register(subparsers) -> None:
@@ -62,6 +62,11 @@ def add_hf_arguments(parser) -> None:
                             "updated in place (TensorScatter-24 + Attention-24, opset 24; implies --attention-mask), "
                             "so a decode step does not copy the whole past (onnxruntime-genai: "
                             "past_present_share_buffer true)")
+    group.add_argument("--image-size", metavar="HxW", default=None,
+                       help="a vision-language model (Qwen2/2.5/3-VL, Mistral 3, Llama 4, GLM-4V) exports whole to "
+                            "-o OUT_DIR/ "
+                            "(vision encoder, embedding merge, decoder): the image size its vision encoder takes, in "
+                            "pixels (default: the type's, e.g. 448x448; Llama 4: its tile size)")
     group.add_argument("--hf-family", metavar="FAMILY", default=None,
                        help="override: accept only this family's rotary form (still checked numerically; a wrong "
                             "name gets the list)")

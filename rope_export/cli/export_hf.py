@@ -44,14 +44,19 @@ def run_hf_export(args) -> int:
             )
     if args.seed is None:  # the shared --seed says "not given" with None (check then reads the file's own)
         args.seed = 0
+    # the --hf folder's own checkpoint unless told otherwise: a folder with weights never exports random ones
+    weights, weights_line = chosen_weights(args.hf, args.weights, args.random_weights, args.seed)
+    from rope_export.cli.export_vlm import run_vlm_export, wants_vlm_export
+
+    if wants_vlm_export(args):  # a vision-language model whole: a folder of components (rope_export.hf.vlm)
+        with said_when_untested():
+            return run_vlm_export(args, weights, weights_line)
     choice = task_choice(args)
     if choice.task.name != CAUSAL_LM:  # an encoder, embedder, speech or encoder-decoder model (rope_export.hf.tasks)
         from rope_export.cli.export_task import run_task_export
 
         return run_task_export(args, choice)
     check_output_writable(Path(args.output))  # before the minutes of building and tracing
-    # the --hf folder's own checkpoint unless told otherwise: a folder with weights never exports random ones
-    weights, weights_line = chosen_weights(args.hf, args.weights, args.random_weights, args.seed)
     console = Console()
     with said_when_untested(), cli_steps(console, f"rope-export export --hf: {args.output}",
                                          args.summary_json) as progress:

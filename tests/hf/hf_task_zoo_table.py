@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
 
     from hf_task_zoo import excluded
 
-    results = merge(Path(argv[0]), RESULTS) if argv else load_results(RESULTS)
+    results = merge(Path(argv[0]), load_results(RESULTS)) if argv else load_results(RESULTS)
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     text = DOC.read_text()
     DOC.write_text(text.replace(doc_table(text, BEGIN, END), render(results, excluded())))

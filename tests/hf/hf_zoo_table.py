@@ -44,13 +44,14 @@ def render(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def doc_table(text: str, begin: str = BEGIN, end: str = END) -> str:
-    start, stop = text.index(begin), text.index(end) + len(end)
-    return text[start:stop]
+def doc_table(text: str, begin: str = BEGIN, end_marker: str = END) -> str:
+    start, end = text.index(begin), text.index(end_marker) + len(end_marker)
+    return text[start:end]
 
 
-def merge(record: Path, path: Path = RESULTS) -> dict[str, dict]:
-    results = load_results(path)
+def merge(record: Path, results: dict[str, dict] | None = None) -> dict[str, dict]:
+    """``results`` (default: this zoo's recorded ones) updated with a JSON-lines record, sorted by type."""
+    results = load_results() if results is None else dict(results)
     for line in record.read_text().splitlines():
         if line.strip():
             entry = json.loads(line)
