@@ -159,6 +159,8 @@ def check(
         raise CheckError("--past must be 0 or more")
     if inputs:
         cases, described = user_cases(list(inputs), mf), f"the user's feeds ({', '.join(map(str, inputs))})"
+    elif hasattr(ref, "cases"):  # a reference with inputs of its own (a diffusers denoiser's latent sizes)
+        cases, described = ref.cases(mf)
     else:
         cases, case_notes = stress_cases(mf, plan, limit)
         notes += case_notes
@@ -237,7 +239,9 @@ def check(
             reports[-1].layers = compare_layers(name, actual, [c.name for c in cases], ref.reference_states,
                                                 pytorch_layers, rule)
 
-    if sweep and slices:
+    if sweep and slices and getattr(ref, "sweep_note", ""):
+        notes.append(ref.sweep_note)
+    elif sweep and slices:
         results, sweep_notes = cache_rows.sweep(
             mf, slices, runners, ropes=ropes, position_limit=position_limit, out_of_range_allowed=past_end,
             plugin_library=plugin_library, max_in_memory=max_in_memory, say=say)

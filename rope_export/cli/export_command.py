@@ -1,5 +1,5 @@
-"""The ``export`` command's parser: a preset (the default), your own module (``--module``) or a transformers
-folder (``--hf``). Only names and help live here, so ``rope-export export --help`` imports neither torch nor
+"""The ``export`` command's parser: a preset (the default), your own module (``--module``), a transformers
+folder (``--hf``) or a diffusers folder (``--diffusers``). Only names and help live here, so ``rope-export export --help`` imports neither torch nor
 transformers; a run imports the one path it takes (``rope_export.presets.export``, ``module_export`` or ``hf.cli``)."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def register(subparsers) -> None:
                         help="--module, --hf: write the file even if a rotation stayed decomposed (a warning, not "
                              "an error)")
     add_hf_arguments(parser)
+    add_diffusers_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -79,12 +80,35 @@ def add_hf_arguments(parser) -> None:
                             "and fuse even when a function verifies (fuse)")
 
 
+def add_diffusers_arguments(parser) -> None:
+    """``--diffusers DIR`` and the options that go with it (``rope_export.diffusion.cli``)."""
+    group = parser.add_argument_group("diffusers image and video transformers (instead of --preset)")
+    group.add_argument("--diffusers", metavar="DIR", default=None,
+                       help="export a component of a local diffusers folder (a pipeline's, with model_index.json, or "
+                            "one model's save_pretrained folder): the denoising transformer by default, with one "
+                            "rotary node per rotation and dynamic latent sizes; its weights, or random ones (--seed) "
+                            "when it holds none or with --random-weights")
+    group.add_argument("--component", metavar="NAME", default=None,
+                       help="--diffusers: the pipeline component to export (transformer, vae, text_encoder, ...; "
+                            "default: the denoiser). A VAE (its decoder) or text encoder is exported as it is, its "
+                            "rotations counted (none in a VAE, CLIP or T5)")
+    group.add_argument("--diffusers-family", metavar="FAMILY", default=None,
+                       help="--diffusers: call the transformer as this family does (flux, wan, hunyuan-video, "
+                            "cogvideox, ltx-video, lumina2); default: chosen by its forward's parameters")
+
+
 def wants_hf_export(args) -> bool:
     """Whether ``export`` was called with any of the --hf options (then ``run_hf_export`` handles it)."""
     return any(getattr(args, name, None) is not None for name in HF_ONLY)
 
 
 def run(args) -> int:
+    if getattr(args, "diffusers", None) is not None:
+        return importlib.import_module("rope_export.diffusion.cli").run_diffusers_export(args)
+    if getattr(args, "component", None) is not None or getattr(args, "diffusers_family", None) is not None:
+        from rope_export.common.errors import CLIError
+
+        raise CLIError("--component and --diffusers-family need --diffusers DIR")
     if wants_hf_export(args):
         return importlib.import_module("rope_export.hf.cli").run_hf_export(args)
     if args.module:

@@ -363,6 +363,12 @@ def layer_of(path: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# A module whose forward takes positions as float tensors (diffusers' image ids, LTX-Video's fractional frame
+# coordinates) names them here: the indices of its tensor inputs, in order, that are positions. Trig values of
+# them are tables, as those of integer positions are; any other float input is an activation.
+POSITION_INPUTS = "rope_export_position_inputs"
+
+
 # -- leaves known before the forward ---------------------------------------------------------------
 
 def _owned_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -401,6 +407,8 @@ def _classify_leaves(witness: _Witness, module: nn.Module, inputs: list[torch.Te
     for t in inputs:
         if t not in witness.tags:
             witness.tags[t] = ACT if _floating(t) else OTHER
+    for i in getattr(module, POSITION_INPUTS, ()):  # float positions the module declares: not activations
+        witness.tags[inputs[i]] = OTHER
 
 
 # -- entry point -------------------------------------------------------------------------------------

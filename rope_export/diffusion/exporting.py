@@ -1,0 +1,151 @@
+"""``export_diffusers``: a diffusers denoising transformer to ONNX, one rotary node per rotation.
+
+The transformer is called through its family's recipe (``recipes.py``: the inputs at a latent size and their
+dynamic axes) and exported with ``export_module`` (``rope_export.blocks``), which counts the rotations of one
+eager forward, routes the rotary functions it verifies through the op, fuses every rotation left in the
+traced graph (diffusers' ``apply_rotary_emb`` in its interleaved and rotate-half spellings, Wan's and
+LTX-Video's own, Lumina 2's complex product: all found by what they compute), and refuses a file with
+fewer rotary nodes than rotations. Then the file, lowered to ``onnx``, is run on onnxruntime against the
+transformer at a second latent size that no axis of was traced (``recipes.OTHER``), and written with the
+metadata ``rope-export check`` rebuilds the transformer from (``rope_export.check.diffusers_reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+
+from rope_export.blocks.check import check_on_onnxruntime
+from rope_export.blocks.export import ModuleExportResult, export_module
+from rope_export.common.fileio import check_writable
+from rope_export.diffusion.recipes import OTHER, TRACED, Denoiser, Inputs, LatentSize, Recipe, inputs_at, recipe_for
+from rope_export.exporting.core import DTYPES, METADATA_PREFIX
+from rope_export.files import onnx_files
+
+OUTPUT_NAME = "sample"
+
+
+@dataclass
+class DiffusersExportResult:
+    result: ModuleExportResult  # rotations, rotary nodes, the fused model
+    recipe: Recipe
+    class_name: str
+    path: Path | None
+    dynamic: list[str]  # the dynamic axes' names ("batch", "height", ...); empty: static
+    verified: list[LatentSize] = field(default_factory=list)  # latent sizes the file equalled diffusers at
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rotary_nodes(self) -> int:
+        return self.result.rotary_nodes
+
+    @property
+    def rotations(self) -> int:
+        return len(self.result.census.plain)
+
+    def as_text(self) -> str:
+        lines = [self.result.as_text(), f"family: {self.recipe.name} ({self.class_name})",
+                 "dynamic axes: " + (", ".join(self.dynamic) or "none (static: see the notes)")]
+        lines += [f"equals diffusers on onnxruntime (onnx lowering) at {s.describe()}" for s in self.verified]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def dynamic_shapes(inputs: Inputs, recipe: Recipe) -> tuple[tuple[dict, ...]]:
+    """torch.export's specification of the inputs' dynamic axes: one Dim per axis name, shared by every input
+    that has it; a latent axis the patch size divides is that multiple of its Dim."""
+    multiples = dict(zip(("frames", "height", "width"), recipe.multiple, strict=True))
+    made: dict[str, object] = {}
+
+    def dim(name: str, latent: bool):
+        multiple = multiples.get(name, 1) if latent else 1
+        key = f"{name}_{multiple}" if multiple > 1 else name
+        if key not in made:
+            made[key] = torch.export.Dim(name) if multiple == 1 else multiple * torch.export.Dim(key)
+        return made[key]
+
+    specs = tuple({axis: dim(name, inputs.tensors[n].dim() >= 4) for axis, name in inputs.axes.get(n, {}).items()}
+                  or None for n in inputs.tensors)
+    return (specs,)  # Denoiser.forward(*inputs): one entry, the tuple of the inputs' specs
+
+
+def _cast(inputs: Inputs, recipe: Recipe, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The inputs in the file's precision (positions stay float32: diffusers computes its tables in float)."""
+    return tuple(t.to(dtype) if t.is_floating_point() and n not in recipe.positions else t
+                 for n, t in inputs.tensors.items())
+
+
+def export_diffusers(
+    model: torch.nn.Module,
+    output: str | os.PathLike | None = None,
+    *,
+    family: str | None = None,
+    traced: LatentSize = TRACED,
+    other: LatentSize = OTHER,
+    seed: int = 0,
+    source: dict | None = None,
+    opset: int = 23,
+    allow_decomposed: bool = False,
+    external: str = "auto",
+    progress: Callable[[str], None] | None = None,
+    verbose: bool = False,
+) -> DiffusersExportResult:
+    """Export a diffusers transformer (``model``, in the precision the file gets) with dynamic latent sizes.
+
+    ``source``: what ``check`` rebuilds it from (``{"folder": ..., "component": ..., "weights": path or None,
+    "seed": N}``), written to the metadata. Raises DecomposedRotationError (unless ``allow_decomposed``) and
+    FileMismatchError (the file differs from diffusers at either latent size); nothing is written then."""
+    say = progress or (lambda message: None)
+    if output is not None:
+        check_writable(output)
+    model = model.eval()
+    recipe = recipe_for(model, family)
+    dtype = next(model.parameters()).dtype
+    inputs = inputs_at(model, recipe, traced, seed)
+    names = list(inputs.tensors)
+    wrapper = Denoiser(model, recipe, names, inputs.constants)
+    args = _cast(inputs, recipe, dtype)
+    notes: list[str] = []
+    shapes = dynamic_shapes(inputs, recipe)
+    dynamic = sorted({n for axes in inputs.axes.values() for n in axes.values()})
+    say(f"{type(model).__name__}: family {recipe.name}, traced at {traced.describe()}")
+    result = export_module(wrapper, args, dynamic_shapes=shapes, input_names=names, output_names=[OUTPUT_NAME],
+                           opset=opset, allow_decomposed=allow_decomposed, progress=say, verbose=verbose)
+    notes += result.notes
+    ir_model = result.ir_model
+    ir_model.metadata_props.update(_metadata(model, recipe, traced, dtype, source, result))
+    say(f"running the file (lowered to onnx) on onnxruntime against diffusers at {other.describe()}")
+    other_args = _cast(inputs_at(model, recipe, other, seed + 1), recipe, dtype)
+    notes += [n for n in check_on_onnxruntime(wrapper, other_args, {}, ir_model) if n not in notes]
+    verified = [traced, other] if not notes or not any("not run" in n for n in notes) else []
+    if output is not None:
+        say(f"writing {output}")
+        onnx_files.write(ir_model, output, external=external, check=True, progress=say)
+    return DiffusersExportResult(result, recipe, type(model).__name__, None if output is None else Path(output),
+                                 dynamic, verified, notes)
+
+
+def _metadata(model, recipe: Recipe, traced: LatentSize, dtype, source: dict | None, result) -> dict[str, str]:
+    import diffusers
+
+    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    meta = {"source": "diffusers", "diffusers_class": type(model).__name__, "diffusers_family": recipe.name,
+            "diffusers_version": diffusers.__version__, "diffusers_config": json.dumps(config, default=list),
+            "dtype": dtype_name, "traced_latent": json.dumps(vars(traced)),
+            "rotations_eager": str(len(result.census.plain)), "rotary_nodes": str(result.rotary_nodes)}
+    if source:
+        meta["diffusers_source"] = json.dumps(source)
+    return {METADATA_PREFIX + k: v for k, v in meta.items()}
+
+
+def ir_metadata(model: ir.Model) -> dict[str, str]:
+    """The file's rope_export metadata, without the prefix."""
+    return {k.removeprefix(METADATA_PREFIX): v for k, v in model.metadata_props.items()
+            if k.startswith(METADATA_PREFIX)}
