@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet --constraint requirements/lock.txt "$(TORCH_SPEC)" setuptools
-	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve]'
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve,diffusers]'
 	touch $@
 
 setup: $(STAMP)
@@ -43,7 +43,7 @@ plugin: setup
 	$(PY) -m rope_export.cli build-plugin --werror --cuda-archs $(CUDA_ARCHS)
 
 $(VENV)/.trt-lean: $(STAMP)
-	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve,trt-lean]'
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve,diffusers,trt-lean]'
 	touch $@
 
 $(TRT_LEAN10_DIR)/.installed: $(STAMP)
@@ -97,7 +97,7 @@ LATEST_VENV ?= .venv-latest
 test-latest:
 	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools
-	$(LATEST_VENV)/bin/python -m pip install --quiet --no-build-isolation -e '.[dev,serve]'
+	$(LATEST_VENV)/bin/python -m pip install --quiet --no-build-isolation -e '.[dev,serve,diffusers]'
 	$(LATEST_VENV)/bin/python -m rope_export.cli build-plugin
 	mkdir -p build; status=0; ROPE_EXPORT_NO_LOCK=1 $(LATEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --junitxml build/latest-junit.xml \
 		|| status=$$?; $(LATEST_VENV)/bin/python scripts/versions.py drift build/latest-junit.xml; exit $$status

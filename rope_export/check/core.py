@@ -106,6 +106,11 @@ def check(
             raise CheckError("give module= or --reference/--hf, not both")
         ref, notes = ModuleReference(mf, module, args, kwargs), []
         ref.weight_bytes = mf.weight_bytes
+    elif source == "diffusers" and reference is None and hf_config is None:
+        from rope_export.check.diffusers_reference import DiffusersReference
+
+        ref, notes = DiffusersReference(mf), []
+        ref.weight_bytes = mf.weight_bytes
     elif example is not None and source is None and reference is None and hf_config is None:
         ref, notes = RecordedReference(mf, example, limits), []
         ref.weight_bytes = mf.weight_bytes

@@ -412,10 +412,6 @@ def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weigh
             return GoldenRunnerReference(mf, limits, "no transformers reference for this file")
     if source == "preset" and preset is not None:
         return PresetReference(mf, preset, reference_block)
-    if source == "diffusers":
-        from rope_export.check.diffusers_reference import DiffusersReference
-
-        return DiffusersReference(mf)
     return GoldenRunnerReference(mf, limits, "the file has no rope_export metadata and no --reference or --hf "
                                                     "was given")
 

@@ -1,6 +1,7 @@
 """The ``export`` command's parser: a preset (the default), your own module (``--module``), a transformers
-folder (``--hf``) or a diffusers folder (``--diffusers``). Only names and help live here, so ``rope-export export --help`` imports neither torch nor
-transformers; a run imports the one path it takes (``rope_export.presets.export``, ``module_export`` or ``hf.cli``)."""
+folder (``--hf``) or a diffusers folder (``--diffusers``). Only names and help live here, so ``rope-export export
+--help`` imports neither torch nor transformers; a run imports the one path it takes (``rope_export.presets.export``,
+``module_export``, ``hf.cli`` or ``diffusion.cli``)."""
 
 from __future__ import annotations
 

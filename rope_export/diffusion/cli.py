@@ -31,7 +31,7 @@ def run_diffusers_export(args) -> int:
     random = bool(args.random_weights) or component.weights is None
     console = Console()
     with cli_steps(console, f"rope-export export --diffusers: {args.output}", args.summary_json) as progress:
-        weights = "random weights (seed %d): not a trained model" % args.seed if random else \
+        weights = f"random weights (seed {args.seed}): not a trained model" if random else \
             f"weights from {component.weights}"
         progress(f"building {component.label}, {weights}")
         model = build_component(component, dtype=args.dtype, seed=args.seed, random_weights=random)

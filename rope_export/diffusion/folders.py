@@ -111,7 +111,8 @@ def model_class(component: Component):
     cls = getattr(library, component.class_name, None)
     if cls is None:
         raise DiffusersFolderError(f"{component.library} {getattr(library, '__version__', '')} has no class "
-                                   f"{component.class_name} ({component.label}); upgrade it or export another component")
+                                   f"{component.class_name} ({component.label}); upgrade it or export another "
+                                   "component")
     return cls
 
 
