@@ -36,18 +36,34 @@ from rope_export.runtimes.runners import CpuTwinRunner  # noqa: E402
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 QUICK = ("FluxTransformer2DModel",)
-# families whose export does not yet give a rotary node per rotation (docs/diffusers.md says why)
-NOT_YET = {}
+# families whose export does not pass yet, with why (docs/diffusers.md); "not run": it does not finish in minutes
+NOT_YET = {
+    "WanTransformer3DModel": "Wan's rotation (a closure writing strided slices) stays decomposed: 4 counted, 0 fused",
+    "LTXVideoTransformer3DModel": "torch.export fails on the recipe's dynamic axes (s41 vs s74//s21)",
+    "HunyuanVideoTransformer3DModel": "not run: the export did not finish in minutes; not diagnosed",
+    "Lumina2Transformer2DModel": "not run: its rope reads caption lengths by .tolist(), untraceable with dynamic axes",
+    "CogVideoXTransformer3DModel": "the recipe's in-graph image_rotary_emb is not verified yet",
+}
 
 
 @functools.cache
-def exported(class_name: str, tmp_root: str) -> tuple[str, str]:
-    """(the model's folder, the exported file), written once per class."""
+def _export(class_name: str, tmp_root: str):
+    """(the model's folder, the exported file), or the exception: one export per class, also when it fails."""
     folder = f"{tmp_root}/{class_name}"
     tiny(class_name).save_pretrained(folder)
     output = f"{tmp_root}/{class_name}.onnx"
-    assert main(["export", "--diffusers", folder, "-o", output]) == 0
+    try:
+        assert main(["export", "--diffusers", folder, "-o", output]) == 0
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - raised again by every test of the class
+        return exc
     return folder, output
+
+
+def exported(class_name: str, tmp_root: str) -> tuple[str, str]:
+    result = _export(class_name, tmp_root)
+    if isinstance(result, BaseException):
+        raise AssertionError(f"export --diffusers of {class_name} failed: {result}")
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +76,8 @@ def _params(targets=(None,)):
     for name in TINY:
         marks = [] if name in QUICK else [pytest.mark.slow]
         if name in NOT_YET:
-            marks.append(pytest.mark.xfail(reason=NOT_YET[name], strict=True))
+            marks.append(pytest.mark.xfail(reason=NOT_YET[name], run=not NOT_YET[name].startswith("not run"),
+                                           strict=True))
         for target in targets:
             out.append(pytest.param(name, target, marks=marks, id=name if target is None else f"{name}-{target}"))
     return out
