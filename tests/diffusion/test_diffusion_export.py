@@ -41,8 +41,8 @@ NOT_YET = {
     "WanTransformer3DModel": "Wan's rotation (a closure writing strided slices) stays decomposed: 4 counted, 0 fused",
     "LTXVideoTransformer3DModel": "torch.export fails on the recipe's dynamic axes (s41 vs s74//s21)",
     "HunyuanVideoTransformer3DModel": "not run: the export did not finish in minutes; not diagnosed",
-    "Lumina2Transformer2DModel": "not run: its rope reads caption lengths by .tolist(), untraceable with dynamic axes",
-    "CogVideoXTransformer3DModel": "the recipe's in-graph image_rotary_emb is not verified yet",
+    "Lumina2Transformer2DModel": "complex_pairs has no real-pair rewrite for the complex repeat of its embedder",
+    "CogVideoXTransformer3DModel": "2 rotations counted, 0 fused; its frame axis comes out static",
 }
 
 
