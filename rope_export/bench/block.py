@@ -71,10 +71,10 @@ def block_feeds(case: BlockCase, preset, seed: int = 0) -> dict[str, np.ndarray]
 def rope_node_names(custom, lowered) -> set[str]:
     """Nodes of ``lowered`` that stand for RoPE: the rotary nodes (the lowering keeps their names)
     and every node the lowering added (names absent from the custom-op file)."""
-    from rope_export.op.contract import DOMAIN, OP_TYPE
+    from rope_export.op.nodes import is_ours
 
     before = {n.name for n in custom.graph.node}
-    rotary = {n.name for n in custom.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE}
+    rotary = {n.name for n in custom.graph.node if is_ours(n)}
     return rotary | {n.name for n in lowered.graph.node if n.name not in before}
 
 

@@ -1,8 +1,7 @@
 """Rotary nodes in a graph, and each one cut out with what computes its caches (a "slice").
 
-``rotary_kind`` names a node carrying the rotation as check's runners know it (ours, its TensorRT
-plugin form, the standard op as "onnx", onnxruntime's contrib op as "ort"); the recognising is
-``detect.census.node_rotary_kind``'s, the one classifier of the package.
+Which node carries a rotation (ours, its TensorRT plugin form, the standard op as "onnx",
+onnxruntime's contrib op as "ort") is ``rope_export.op.nodes.rotary_kind``'s, the one classifier.
 
 A slice is the rotary node plus every node its cos/sin/position inputs come from, back to graph
 inputs and initializers; its X becomes an input. Run alone it rotates random X at any positions,
@@ -19,11 +18,10 @@ import onnx
 from onnx import external_data_helper, helper
 
 from rope_export.check.model_file import FLOAT_ELEM_TYPES, ModelFile, TensorSpec, tensor_nbytes
-from rope_export.detect.census import node_rotary_kind
+from rope_export.op.nodes import CONTRACT_KINDS, rotary_kind
 
 # positions of X, cos, sin, position_ids among the node's inputs, per kind
 INPUT_ORDER = {"rope_export": (0, 1, 2, 3), "trt-plugin": (0, 1, 2, 3), "onnx": (0, 1, 2, 3), "ort": (0, 2, 3, 1)}
-CONTRACT_KINDS = ("rope_export", "trt-plugin")  # nodes with the contract's extensions (pass-through, fp32 caches)
 MAX_SLICE_NODES = 200
 MAX_SLICE_BYTES = 256 * 2**20
 
@@ -33,15 +31,6 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
         if a.name == name:
             return helper.get_attribute_value(a)
     return default
-
-
-_TARGET_NAMES = {"ai.onnx": "onnx", "com.microsoft": "ort"}  # check names the kinds as lower's targets
-
-
-def rotary_kind(node: onnx.NodeProto) -> str | None:
-    """Which rotary op ``node`` is: "rope_export", "trt-plugin", "onnx", "ort", or None."""
-    kind = node_rotary_kind(node)
-    return _TARGET_NAMES.get(kind, kind)
 
 
 @dataclass(frozen=True)

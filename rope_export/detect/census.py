@@ -1,12 +1,11 @@
 """The rotations one eager forward performs, against the rotary nodes of an ONNX file.
 
 ``compare_with_file(census, model)`` counts the rotary nodes of the file in every form the project
-writes or meets: ``rope_export::RotaryEmbedding``, its trt-plugin form (any op type whose
-``plugin_namespace`` attribute is ``rope_export``), ``ai.onnx`` RotaryEmbedding-23 and
-``com.microsoft`` RotaryEmbedding. Where the exporter's name scopes say which module a node came
-from (torch.onnx's dynamo exporter writes ``pkg.torch.onnx.name_scopes``; the fusion rules keep
-them), nodes are attributed to layers and a shortfall names its layers; otherwise it names every
-rotation site of the census.
+writes or meets, as ``rope_export.op.nodes.rotary_kind`` tells them: ``rope_export::RotaryEmbedding``,
+its trt-plugin form, ``ai.onnx`` RotaryEmbedding-23 and ``com.microsoft`` RotaryEmbedding. Where the
+exporter's name scopes say which module a node came from (torch.onnx's dynamo exporter writes
+``pkg.torch.onnx.name_scopes``; the fusion rules keep them), nodes are attributed to layers and a
+shortfall names its layers; otherwise it names every rotation site of the census.
 
 Fewer rotary nodes than plain rotations raises ``DecomposedRotationError`` (a warning with
 ``allow_decomposed=True``); more raises ``RotationCountError`` (something that is not a rotation
@@ -25,8 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from rope_export.detect.witness import RotationCensus, RotationSite, layer_of
-from rope_export.op.contract import DOMAIN, OP_TYPE
-from rope_export.passes.lower_trt_plugin import is_trt_plugin_node
+from rope_export.op.nodes import all_nodes, rotary_kind
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 
@@ -42,7 +40,7 @@ class DecomposedRotationError(RotationCountError):
 @dataclass(frozen=True)
 class RotaryNode:
     name: str
-    kind: str  # "rope_export", "trt-plugin", "ai.onnx", "com.microsoft"
+    kind: str  # rope_export.op.nodes.KINDS: "rope_export", "trt-plugin", "onnx", "ort"
     module_path: str | None  # from the exporter's name scopes, when present
     layer: int | None
 
@@ -76,8 +74,8 @@ def rotary_nodes(model) -> list[RotaryNode]:
     """Every rotary node of the graph, its subgraphs and its local functions (``model``: an
     onnx.ModelProto or an onnx_ir.Model)."""
     found = []
-    for node in _all_nodes(model):
-        kind = node_rotary_kind(node)
+    for node in all_nodes(model):
+        kind = rotary_kind(node)
         if kind is not None:
             path = module_path_of(node)
             found.append(RotaryNode(node.name, kind, path, layer_of(path)))
@@ -129,42 +127,6 @@ def compare_with_file(census: RotationCensus, onnx_model, *, allow_decomposed: b
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-def _all_nodes(model):
-    if isinstance(model, ir.Model):
-        yield from ir.traversal.RecursiveGraphIterator(model.graph)
-        for function in model.functions.values():
-            yield from function
-        return
-
-    def walk(graph):
-        for node in graph.node:
-            yield node
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    yield from walk(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    for g in attr.graphs:
-                        yield from walk(g)
-
-    yield from walk(model.graph)
-    for function in model.functions:
-        yield from function.node
-
-
-def node_rotary_kind(node) -> str | None:
-    """Which rotary op a node (onnx.NodeProto or onnx_ir.Node) is: "rope_export", "trt-plugin", "ai.onnx",
-    "com.microsoft", or None. The one classifier; ``check`` names the last two by their lowering targets."""
-    if isinstance(node, ir.Node):
-        attr = node.attributes.get("plugin_namespace")
-        namespace = attr.as_string() if attr is not None and attr.type == ir.AttributeType.STRING else None
-    else:
-        namespace = next((a.s for a in node.attribute if a.name == "plugin_namespace"), None)
-    if is_trt_plugin_node(node.domain, node.op_type, namespace):
-        return "trt-plugin"
-    if node.op_type != OP_TYPE:
-        return None
-    return {DOMAIN: "rope_export", "": "ai.onnx", "ai.onnx": "ai.onnx", "com.microsoft": "com.microsoft"}.get(
-        node.domain)
 
 
 def module_path_of(node) -> str | None:

@@ -20,6 +20,7 @@ from rope_export.op import (
     contract,
     onnx_op,  # noqa: F401  (registers the rope_export schema for onnxscript)
 )
+from rope_export.op.nodes import is_ours
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16), strict=True))
 METADATA_PREFIX = "rope_export."
@@ -54,7 +55,7 @@ def custom_translation_table() -> dict:
 
 
 def count_rotary_nodes(model: onnx.ModelProto) -> int:
-    return sum(1 for n in model.graph.node if n.domain == contract.DOMAIN and n.op_type == contract.OP_TYPE)
+    return sum(1 for n in model.graph.node if is_ours(n))
 
 
 def check_opset(opset: int) -> None:

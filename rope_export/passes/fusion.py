@@ -34,6 +34,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
+from rope_export.op.nodes import CONTRACT_KINDS, STANDARD, is_ours, rotary_kind
 from rope_export.passes import evidence, fuse_pairs, fuse_rotation, fuse_standard_op, validation
 from rope_export.passes._fusing import STAGES, FusionReport
 from rope_export.passes._model import PassError, from_ir, infer_shapes, onnx_opset, remove_unused, to_ir
@@ -67,13 +68,15 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
             f"axes input); convert it first with onnx.version_converter.convert_version(model, {MIN_OPSET})"
         )
     for node in ir.traversal.RecursiveGraphIterator(ir_model.graph):
-        if node.op_type == OP_TYPE and node.outputs[0].name:
-            if node.domain == DOMAIN:
-                report.seen(node.outputs[0].name, "already fused", "", f"{DOMAIN}::{OP_TYPE}")
-            else:
-                hint = " (adopt_standard / --adopt-standard renames it)" if node.domain in ("", "ai.onnx") else ""
-                report.seen(node.outputs[0].name, "other rotary op", f"{node.domain or 'ai.onnx'}::{OP_TYPE}",
-                            "kept as is" + hint)
+        kind = rotary_kind(node)
+        if kind is None or not node.outputs[0].name:
+            continue
+        if kind in CONTRACT_KINDS:
+            report.seen(node.outputs[0].name, "already fused", "", f"{node.domain}::{node.op_type}")
+        else:
+            hint = " (adopt_standard / --adopt-standard renames it)" if kind == STANDARD else ""
+            report.seen(node.outputs[0].name, "other rotary op", f"{node.domain or 'ai.onnx'}::{OP_TYPE}",
+                        "kept as is" + hint)
     infer_shapes(ir_model)
     if drop_unit_scales(ir_model.graph):  # x * cos * 1.0 (TorchScript keeps a scale of one): exact to bypass
         remove_unused(ir_model)
@@ -96,7 +99,6 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
         infer_shapes(ir_model)
     report.left = evidence.count_rotations(ir_model)
     if validate:
-        nodes = [n for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)
-                 if n.domain == DOMAIN and n.op_type == OP_TYPE]
+        nodes = [n for n in ir.traversal.RecursiveGraphIterator(ir_model.graph) if is_ours(n)]
         validation.run(ir_model, validation.plan(ir_model, nodes, out_of_range=True), "reference", "fused")
     return from_ir(ir_model, kind)

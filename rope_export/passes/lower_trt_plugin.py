@@ -18,7 +18,7 @@ float32 caches under half X, pass-through for out-of-range positions).
 Files lowered before the rename carry op type ``RotaryEmbedding`` in ``trt.plugins``; they are
 the same op. ``RaiseTrtPluginNode`` turns either form back into rope_export::RotaryEmbedding, so
 ``lower`` accepts such files (re-lowering one to ``trt-plugin`` writes the new op type), and
-``is_trt_plugin_node`` lets the runners and ``check`` read both.
+``rope_export.op.nodes`` classifies both, for the runners and ``check``.
 """
 
 from __future__ import annotations
@@ -27,24 +27,19 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
-from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, read_site
-from rope_export.passes.targets import (
+from rope_export.op.nodes import (
     LEGACY_PLUGIN_NAME,
     PLUGIN_NAME,
     PLUGIN_NAMESPACE,
+    PLUGIN_OP_TYPES,
     PLUGIN_VERSION,
     TRT_PLUGIN_DOMAIN,
+    is_trt_plugin_node,
+    string_attribute,
 )
+from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, read_site
 
-PLUGIN_OP_TYPES = (PLUGIN_NAME, LEGACY_PLUGIN_NAME)
 ROUTING_ATTRIBUTES = ("plugin_namespace", "plugin_version")
-
-
-def is_trt_plugin_node(domain: str, op_type: str, namespace: str | bytes | None) -> bool:
-    """A node that targets our plugin: trt.plugins domain, either op type, namespace rope_export."""
-    if isinstance(namespace, bytes):
-        namespace = namespace.decode(errors="replace")
-    return domain == TRT_PLUGIN_DOMAIN and op_type in PLUGIN_OP_TYPES and namespace == PLUGIN_NAMESPACE
 
 
 class LowerToTrtPlugin(LowerRotary):
@@ -64,10 +59,6 @@ class LowerToTrtPlugin(LowerRotary):
         )
 
 
-def _string_attr(node: ir.Node, name: str) -> str | None:
-    attr = node.attributes.get(name)
-    return None if attr is None or attr.type != ir.AttributeType.STRING else attr.as_string()
-
 
 class RaiseTrtPluginNode(pattern.RewriteRuleClassBase):
     """A trt-plugin node of ours (``op_type``: the current or the legacy name) -> rope_export::RotaryEmbedding."""
@@ -83,9 +74,9 @@ class RaiseTrtPluginNode(pattern.RewriteRuleClassBase):
     def check(self, context, y, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
         node = y.producer()
-        if not is_trt_plugin_node(node.domain, node.op_type, _string_attr(node, "plugin_namespace")):
+        if not is_trt_plugin_node(node.domain, node.op_type, string_attribute(node, "plugin_namespace")):
             return result.fail(f"plugin_namespace is not {PLUGIN_NAMESPACE!r}: another library's plugin", node)
-        if _string_attr(node, "plugin_version") not in (None, PLUGIN_VERSION):
+        if string_attribute(node, "plugin_version") not in (None, PLUGIN_VERSION):
             return result.fail(f"plugin_version is not {PLUGIN_VERSION!r}", node)
         try:
             read_site(node)

@@ -9,6 +9,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.nodes import all_nodes, is_ours
 from rope_export.passes import validation
 from rope_export.passes._lowering import LoweringLog, LowerRotary
 from rope_export.passes._model import (
@@ -33,10 +34,7 @@ TARGETS: dict[str, type[LowerRotary]] = {
 
 
 def _custom_nodes(model: ir.Model) -> list[ir.Node]:
-    nodes = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.domain == DOMAIN and n.op_type == OP_TYPE]
-    for function in model.functions.values():
-        nodes += [n for n in function if n.domain == DOMAIN and n.op_type == OP_TYPE]
-    return nodes
+    return [n for n in all_nodes(model) if is_ours(n)]
 
 
 def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog | None = None,

@@ -278,8 +278,8 @@ def _trt_plugin_ops() -> list[type]:
     so a lost or wrong attribute shows."""
     from onnx.reference.op_run import OpRun
 
+    from rope_export.op.nodes import PLUGIN_OP_TYPES, TRT_PLUGIN_DOMAIN
     from rope_export.op.onnx_op import rotary_numpy
-    from rope_export.passes.lower_trt_plugin import PLUGIN_OP_TYPES, TRT_PLUGIN_DOMAIN
 
     def _run(self, X, cos_cache, sin_cache, position_ids=None, interleaved=None, num_heads=None,
              rotary_embedding_dim=None, plugin_namespace=None, plugin_version=None):

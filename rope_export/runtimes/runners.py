@@ -1,5 +1,5 @@
 """Runners for polygraphy's ``Comparator`` that polygraphy lacks: onnx.reference with our op and
-the file run with the plugin's CPU twin; plus the recogniser of rotary nodes and the torch/NumPy
+the file run with the plugin's CPU twin; plus the torch/NumPy
 conversions (bfloat16 included) the checks share.
 
 Each runner is a polygraphy ``BaseRunner``; ``rope_export.check.runners`` builds them beside
@@ -19,19 +19,12 @@ from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 
 from rope_export.op import contract
+from rope_export.op.nodes import PLUGIN_OP_TYPES, TRT_PLUGIN_DOMAIN
 from rope_export.op.onnx_op import rotary_numpy
-from rope_export.passes.lower_trt_plugin import PLUGIN_OP_TYPES, TRT_PLUGIN_DOMAIN, is_trt_plugin_node
 
-# (domain, op_type) of those nodes: ours, and the trt-plugin form (current and pre-rename op type).
-ROTARY_OPS = ((contract.DOMAIN, contract.OP_TYPE), *((TRT_PLUGIN_DOMAIN, t) for t in PLUGIN_OP_TYPES))
-
-
-def is_rotary_node(node: onnx.NodeProto) -> bool:
-    """A node that carries the op contract: rope_export::RotaryEmbedding or our trt-plugin node."""
-    if (node.domain, node.op_type) == (contract.DOMAIN, contract.OP_TYPE):
-        return True
-    namespace = next((a.s for a in node.attribute if a.name == "plugin_namespace"), None)
-    return is_trt_plugin_node(node.domain, node.op_type, namespace)
+# (domain, op_type) of the nodes that carry the op contract: ours, and the trt-plugin form (current and
+# pre-rename op type); OpRun classes are matched by these two alone.
+CONTRACT_OPS = ((contract.DOMAIN, contract.OP_TYPE), *((TRT_PLUGIN_DOMAIN, t) for t in PLUGIN_OP_TYPES))
 
 
 def to_torch(array: np.ndarray) -> torch.Tensor:
@@ -122,7 +115,7 @@ def rotary_ops(kernel) -> list[type]:
     from onnx.reference.op_run import OpRun
 
     classes = []
-    for domain, op_type in ROTARY_OPS:
+    for domain, op_type in CONTRACT_OPS:
         def _run(self, X, cos_cache, sin_cache, position_ids=None, interleaved=None, num_heads=None,
                  rotary_embedding_dim=None, plugin_namespace=None, plugin_version=None):
             # plugin_namespace/plugin_version only select the TensorRT plugin; they change nothing.

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 from rope_export.common.errors import CLIError
 from rope_export.common.fileio import atomic_write_bytes
 from rope_export.kernels.plugin import PLUGIN_DIR_ENV, TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
-from rope_export.passes.targets import (
+from rope_export.op.nodes import (
     LEGACY_PLUGIN_NAME,
     PLUGIN_NAME,
     PLUGIN_NAMESPACE,
     PLUGIN_VERSION,
     TRT_PLUGIN_DOMAIN,
+    carries_contract,
 )
 
 if TYPE_CHECKING:  # onnx and the profile code are imported where used: `rope-export build --help` answers at once
@@ -140,19 +141,17 @@ def parse_shape(spec: str) -> tuple[str, ShapeSpec]:
 
 def rotary_nodes(model: onnx.ModelProto) -> dict[str, str]:
     """Output tensor -> node label of every node that must become our plugin layer."""
-    from rope_export.runtimes.runners import is_rotary_node
 
-    return {n.output[0]: n.name or f"{n.op_type} -> {n.output[0]}" for n in model.graph.node if is_rotary_node(n)}
+    return {n.output[0]: n.name or f"{n.op_type} -> {n.output[0]}" for n in model.graph.node if carries_contract(n)}
 
 
 def use_current_op_type(model: onnx.ModelProto) -> int:
     """Rename trt-plugin nodes written before the rename (op type RotaryEmbedding, which TensorRT
     >= 10.15 would import as its own layer) to the plugin's op type, in place; returns how many."""
-    from rope_export.runtimes.runners import is_rotary_node
 
     renamed = 0
     for node in model.graph.node:
-        if node.domain == TRT_PLUGIN_DOMAIN and node.op_type == LEGACY_PLUGIN_NAME and is_rotary_node(node):
+        if node.domain == TRT_PLUGIN_DOMAIN and node.op_type == LEGACY_PLUGIN_NAME and carries_contract(node):
             node.op_type = PLUGIN_NAME
             renamed += 1
     return renamed

@@ -55,11 +55,11 @@ def graph_inputs(model: onnx.ModelProto) -> list[InputDims]:
 
 def _rotary_cache_rows(model: onnx.ModelProto) -> int | None:
     """Rows of the position-indexed caches the rotary nodes read (the longest, if they differ)."""
-    from rope_export.runtimes.runners import is_rotary_node
+    from rope_export.op.nodes import carries_contract
 
     shapes = {i.name: tuple(i.dims) for i in model.graph.initializer}
     rows = [shapes[n.input[1]][0] for n in model.graph.node
-            if is_rotary_node(n) and len(n.input) > 3 and n.input[3] and len(shapes.get(n.input[1], ())) == 2]
+            if carries_contract(n) and len(n.input) > 3 and n.input[3] and len(shapes.get(n.input[1], ())) == 2]
     return max(rows) if rows else None
 
 

@@ -17,7 +17,7 @@ from rope_export.detect import (
     count_rotations,
     rotary_nodes,
 )
-from rope_export.passes.lower_trt_plugin import PLUGIN_NAME
+from rope_export.op.nodes import PLUGIN_NAME
 
 
 def _scoped(node, path: str):
@@ -38,7 +38,7 @@ def _node(kind: str, i: int, path: str | None = None):
     elif kind == "trt-plugin":  # as the TensorRT lowering writes it
         node = helper.make_node(PLUGIN_NAME, ["x", "c", "s"], [f"y{i}"], domain="trt.plugins", name=f"n{i}",
                                 plugin_namespace="rope_export", plugin_version="1")
-    elif kind == "ai.onnx":
+    elif kind == "onnx":
         node = helper.make_node("RotaryEmbedding", ["x", "c", "s"], [f"y{i}"], name=f"n{i}")
     else:
         node = helper.make_node("RotaryEmbedding", ["x", "p", "c", "s"], [f"y{i}"], domain="com.microsoft",
@@ -53,7 +53,7 @@ def _census(layers: list[int], scaled: int = 0) -> RotationCensus:
 
 
 def test_every_node_form_is_counted():
-    kinds = ["rope_export", "trt-plugin", "ai.onnx", "com.microsoft"]
+    kinds = ["rope_export", "trt-plugin", "onnx", "ort"]
     nodes = rotary_nodes(_model([_node(k, i) for i, k in enumerate(kinds)]
                                 + [helper.make_node("Add", ["x", "x"], ["z"])]))
     assert [n.kind for n in nodes] == kinds
@@ -73,7 +73,7 @@ def test_a_shortfall_names_the_layers_left_decomposed():
 
 def test_without_scopes_every_site_is_listed():
     with pytest.raises(DecomposedRotationError, match="cannot be told apart") as info:
-        compare_with_file(_census([0, 1]), _model([_node("ai.onnx", 0)]))
+        compare_with_file(_census([0, 1]), _model([_node("onnx", 0)]))
     assert "model.layers.0.self_attn" in str(info.value) and "model.layers.1.self_attn" in str(info.value)
 
 

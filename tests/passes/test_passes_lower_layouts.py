@@ -24,9 +24,9 @@ import vision_blocks as vb
 import rope_export
 from rope_export.kernels import plugin
 from rope_export.op.contract import DOMAIN, OP_TYPE
+from rope_export.op.nodes import PLUGIN_NAME, TRT_PLUGIN_DOMAIN
 from rope_export.op.tolerances import tolerance
 from rope_export.passes import fuse, lower
-from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, TRT_PLUGIN_DOMAIN
 from rope_export.runtimes.runners import CpuTwinRunner
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")

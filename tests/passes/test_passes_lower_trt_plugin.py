@@ -11,16 +11,17 @@ import pytest
 from onnx import helper
 from passes_util import rotary_case, run_reference
 
-from rope_export.op.tolerances import tolerance
-from rope_export.passes import LoweringLog, lower
-from rope_export.passes.lower_trt_plugin import (
+from rope_export.op.nodes import (
     LEGACY_PLUGIN_NAME,
     PLUGIN_NAME,
     PLUGIN_NAMESPACE,
     PLUGIN_VERSION,
     TRT_PLUGIN_DOMAIN,
+    carries_contract,
 )
-from rope_export.runtimes.runners import CpuTwinRunner, is_rotary_node
+from rope_export.op.tolerances import tolerance
+from rope_export.passes import LoweringLog, lower
+from rope_export.runtimes.runners import CpuTwinRunner
 
 CORE_HEADER = Path(__file__).resolve().parents[2] / "plugins" / "core" / "rope_core.h"
 
@@ -66,7 +67,7 @@ def test_a_file_lowered_before_the_rename_is_the_same_op(layout, rd, interleaved
     model, feeds, expected = rotary_case(layout=layout, x_dtype="float32", cache_dtype="float32", rd=rd,
                                          interleaved=interleaved)
     old = _legacy(model)
-    assert is_rotary_node(old.graph.node[0])
+    assert carries_contract(old.graph.node[0])
     # lower: re-lowering writes the new op type with the same attributes; other targets lower it.
     log = LoweringLog()
     again = lower(old, "trt-plugin", log=log)
@@ -89,7 +90,7 @@ def test_a_file_lowered_before_the_rename_is_the_same_op(layout, rd, interleaved
 def test_another_librarys_plugin_node_is_left_alone():
     model, _, _ = rotary_case(layout="bsd", x_dtype="float32", cache_dtype="float32", rd=8)
     other = _legacy(model, namespace=b"someone_else")
-    assert not is_rotary_node(other.graph.node[0])
+    assert not carries_contract(other.graph.node[0])
     log = LoweringLog()
     kept = lower(other, "onnx", log=log)
     assert [(n.domain, n.op_type) for n in kept.graph.node] == [(TRT_PLUGIN_DOMAIN, LEGACY_PLUGIN_NAME)]

@@ -18,9 +18,9 @@ from rope_export import cli
 from rope_export.common.errors import CLIError
 from rope_export.kernels.plugin import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
 from rope_export.op import reference
+from rope_export.op.nodes import LEGACY_PLUGIN_NAME, PLUGIN_NAME
 from rope_export.op.tolerances import tolerance
 from rope_export.passes import lower
-from rope_export.passes.lower_trt_plugin import LEGACY_PLUGIN_NAME, PLUGIN_NAME
 from rope_export.runtimes import trt as rtrt
 from rope_export.runtimes.trt_profiles import ProfileError, derive_profile
 

@@ -38,8 +38,8 @@ from rope_export.kernels.plugin import (
 )
 from rope_export.op import contract
 from rope_export.op.contract import RotaryAttrs, RotaryContractError
+from rope_export.op.nodes import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from rope_export.passes import lower
-from rope_export.passes.lower_trt_plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 PROBE = Path(__file__).resolve().parents[1] / "trt_lean_probe.py"  # beside conftest.py
 LEAN10_DIR = source_root() / "build" / "trt-lean-10"

@@ -172,7 +172,7 @@ def test_tensorrt_backend_without_tensorrt_says_what_is_missing(tiny_file, tmp_p
 
 def test_with_tensorrt_the_engine_is_built_from_the_trt_plugin_lowering(tiny_file, tmp_path, monkeypatch):
     """Where TensorRT and a GPU exist, rope-export build's own build_engine makes 1/model.plan (faked here)."""
-    from rope_export.passes.lower_trt_plugin import PLUGIN_NAME
+    from rope_export.op.nodes import PLUGIN_NAME
 
     calls = []
 
