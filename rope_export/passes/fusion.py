@@ -68,13 +68,13 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
             f"axes input); convert it first with onnx.version_converter.convert_version(model, {MIN_OPSET})"
         )
     for node in ir.traversal.RecursiveGraphIterator(ir_model.graph):
-        kind = rotary_kind(node)
-        if kind is None or not node.outputs[0].name:
+        node_kind = rotary_kind(node)  # not ``kind``: that says what to hand back
+        if node_kind is None or not node.outputs[0].name:
             continue
-        if kind in CONTRACT_KINDS:
+        if node_kind in CONTRACT_KINDS:
             report.seen(node.outputs[0].name, "already fused", "", f"{node.domain}::{node.op_type}")
         else:
-            hint = " (adopt_standard / --adopt-standard renames it)" if kind == STANDARD else ""
+            hint = " (adopt_standard / --adopt-standard renames it)" if node_kind == STANDARD else ""
             report.seen(node.outputs[0].name, "other rotary op", f"{node.domain or 'ai.onnx'}::{OP_TYPE}",
                         "kept as is" + hint)
     infer_shapes(ir_model)
