@@ -254,7 +254,8 @@ def export_module(
                                     "torch.onnx cannot export complex tensors") from exc
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
-    model = fuse(program.model, report=fusion, adopt_standard=True)  # in place: no copy of the weights
+    tables = _table_input_names(census, program.model, args, kwargs)
+    model = fuse(program.model, report=fusion, adopt_standard=True, table_inputs=tables)  # in place: no weight copy
     if output is None:
         if onnx_files.weight_bytes(model) < onnx_files.EXTERNAL_DATA_THRESHOLD:
             onnx.checker.check_model(ir.to_proto(model), full_check=True)
@@ -322,6 +323,16 @@ def record_example(module: torch.nn.Module, args: tuple, kwargs: dict, model: ir
     np.savez_compressed(buffer, **{k: t.numpy() for k, t in arrays.items()})
     meta[METADATA_PREFIX + "module_example"] = base64.b64encode(buffer.getvalue()).decode("ascii")
     return meta, ""
+
+
+def _table_input_names(census: RotationCensus, model: ir.Model, args: tuple, kwargs: dict) -> list[str]:
+    """The file's inputs that the census found to be cos/sin tables (the file's inputs are the example's tensors in
+    order; none when torch.onnx dropped some)."""
+    from torch.utils._pytree import tree_leaves
+
+    count = sum(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs)))
+    names = [v.name for v in model.graph.inputs]
+    return [names[i] for i in census.table_inputs] if len(names) == count else []
 
 
 def _complex_rewrite_cause(exc: BaseException):

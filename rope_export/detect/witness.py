@@ -85,6 +85,9 @@ class RotationCensus:
 
     sites: list[RotationSite] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # anything that makes the count less than certain
+    # the forward's tensor inputs (flattened, in order) that are cos/sin tables the caller computed (a pipeline's
+    # rotary tables, a block's position_embeddings): the fusion is told, as the graph alone cannot show it
+    table_inputs: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -440,7 +443,9 @@ def count_rotations(module: nn.Module, args=(), kwargs=None) -> RotationCensus:
     finally:
         for h in handles:
             h.remove()
-    return witness.census()
+    census = witness.census()
+    census.table_inputs = tuple(i for i, t in enumerate(inputs) if witness.tags.get(t) is TRIG)
+    return census
 
 
 def _pop(witness: _Witness, module: nn.Module) -> None:
