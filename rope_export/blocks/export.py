@@ -170,7 +170,7 @@ def export_module(
     with onnx.checker on its way to disk, whatever its size.
     """
     from rope_export.exporting.core import check_opset, custom_translation_table
-    from rope_export.exporting.torch_onnx import quiet_exporter
+    from rope_export.exporting.torch_onnx import export_captured, is_capture_failure, quiet_exporter
 
     say = progress or (lambda message: None)
     kwargs = dict(kwargs or {})
@@ -213,10 +213,17 @@ def export_module(
         elif auto:
             shapes = shapes[0]
         paired = complex_as_pairs(module) if pairs else contextlib.nullcontext()
+        options = dict(opset_version=opset, input_names=input_names, output_names=output_names,
+                       custom_translation_table=custom_translation_table(), verbose=verbose)
         with torch.no_grad(), quiet_exporter(verbose), paired:
-            return torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, opset_version=opset,
-                                     dynamic_shapes=shapes, input_names=input_names, output_names=output_names,
-                                     custom_translation_table=custom_translation_table(), verbose=verbose)
+            try:
+                return torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, dynamic_shapes=shapes,
+                                         **options)
+            except Exception as exc:  # noqa: BLE001 - given axes: try torch.export's own capture once
+                if dynamic_shapes == "auto" or not is_capture_failure(exc):
+                    raise
+            say("torch.onnx's capture failed; capturing with torch.export's defaults and translating that program")
+            return export_captured(module, args, kwargs, shapes, **options)
 
     def trace_shapes():
         if dynamic_shapes != "auto":
@@ -252,6 +259,9 @@ def export_module(
                 raise
             raise ModuleExportError(f"{cause}: the block's complex code cannot be traced as real pairs, and "
                                     "torch.onnx cannot export complex tensors") from exc
+    from rope_export.exporting.onnxruntime_gaps import fill_onnxruntime_gaps
+
+    notes += fill_onnxruntime_gaps(program.model)
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
     tables = _table_input_names(census, program.model, args, kwargs)
