@@ -219,7 +219,7 @@ class _Witness(TorchDispatchMode):
             return
         tag = self.rule(name, func, args, tensors, tags, outs[0])
         if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
-            self.mutated(name, args, tag)
+            tag = self.mutated(name, args, tag)  # an in-place op returns the tensor it wrote
         for t in outs:
             self.tags[t] = tag
         self.update_shapes(name, tag, outs[0])
@@ -313,13 +313,18 @@ class _Witness(TorchDispatchMode):
         rank = tensors[0].dim() + (1 if name == "aten::stack" else 0)
         return dim % max(rank, 1) == rank - 1
 
-    def mutated(self, name: str, args, tag: _Tag) -> None:
-        """In-place ops: the mutated tensor gets the result's tag; a copy into a last-axis slice of a
-        tensor joins that tensor's rotations (``out[..., ::2] = y1; out[..., 1::2] = y2``)."""
+    def mutated(self, name: str, args, tag: _Tag) -> _Tag:
+        """In-place ops: the mutated tensor gets the result's tag (returned), a copy the copied value's; a copy
+        into a last-axis slice of a tensor joins that tensor's rotations (``out[..., ::2] = y1; out[..., 1::2] =
+        y2``), and a table copied into a constant buffer makes the buffer a table."""
         dst = args[0]
         if name == "aten::copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
             tag = self.tag_of(args[1])
             base = dst._base
+            held = self.tags.get(base, OTHER) if base is not None else None
+            if tag.kind == "trig" and held is not None and (held.kind == "trig" or (
+                    held.kind == "other" and not held.act and not held.rots)):
+                self.tags[base] = tag  # a table written into a constant buffer (zeros: rows of padding positions)
             if tag.rots and base is not None and base.shape[:-1] == dst.shape[:-1]:
                 old = self.tags.get(base) or OTHER
                 rots = old.rots | tag.rots
@@ -328,6 +333,7 @@ class _Witness(TorchDispatchMode):
                 root = self.find(next(iter(rots)))
                 self.events[root].update(shape=tuple(base.shape), numel=_real_numel(base))
         self.tags[dst] = tag
+        return tag
 
     def update_shapes(self, name: str, tag: _Tag, out: torch.Tensor) -> None:
         """A rotation's shape follows its joins and pure reshapes (same size), not expands or copies."""
