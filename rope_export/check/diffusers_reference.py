@@ -120,7 +120,7 @@ class DiffusersReference(Reference):
                                  f"feeds ({list(inputs.tensors)}): the file was changed after export; re-export it")
             feeds = {}
             for name, tensor in inputs.tensors.items():
-                if tensor.is_floating_point() and name not in self.recipe.positions:
+                if tensor.is_floating_point() and name not in self.recipe.float32_inputs:
                     tensor = tensor.to(DTYPES[self.dtype])
                 feeds[name] = tensor.numpy()
             cases.append(Case(label, feeds, None))
@@ -155,7 +155,7 @@ class DiffusersReference(Reference):
                     args = []
                     for name in self.input_names:
                         tensor = to_torch(case.feeds[name])
-                        if tensor.is_floating_point() and name not in self.recipe.positions:
+                        if tensor.is_floating_point() and name not in self.recipe.float32_inputs:
                             tensor = tensor.to(next(built.parameters()).dtype)
                         args.append(tensor)
                     out = wrapper(*args)

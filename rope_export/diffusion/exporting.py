@@ -76,8 +76,8 @@ def dynamic_shapes(inputs: Inputs, recipe: Recipe) -> tuple[tuple[dict, ...]]:
 
 
 def _cast(inputs: Inputs, recipe: Recipe, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The inputs in the file's precision (positions stay float32: diffusers computes its tables in float)."""
-    return tuple(t.to(dtype) if t.is_floating_point() and n not in recipe.positions else t
+    """The inputs in the file's precision (positions and rotary tables stay float32, as pipelines pass them)."""
+    return tuple(t.to(dtype) if t.is_floating_point() and n not in recipe.float32_inputs else t
                  for n, t in inputs.tensors.items())
 
 
@@ -117,13 +117,12 @@ def export_diffusers(
     say(f"{type(model).__name__}: family {recipe.name}, traced at {traced.describe()}")
     result = export_module(wrapper, args, dynamic_shapes=shapes, input_names=names, output_names=[OUTPUT_NAME],
                            opset=opset, allow_decomposed=allow_decomposed, progress=say, verbose=verbose)
-    notes += result.notes
     ir_model = result.ir_model
     ir_model.metadata_props.update(_metadata(model, recipe, traced, dtype, source, result))
     say(f"running the file (lowered to onnx) on onnxruntime against diffusers at {other.describe()}")
     other_args = _cast(inputs_at(model, recipe, other, seed + 1), recipe, dtype)
     other_notes = check_on_onnxruntime(wrapper, other_args, {}, ir_model)  # raises FileMismatchError on a mismatch
-    notes += [n for n in other_notes if n not in notes]
+    notes += [n for n in other_notes if n not in result.notes]
     # a note from that run says what was not compared (bfloat16, weights past 2 GB, an output of another count)
     verified = [] if other_notes else [traced, other]
     if output is not None:

@@ -127,9 +127,10 @@ def _video_latent(model, size: LatentSize, generator, layout: str = "bcfhw") -> 
 def _text_inputs(model, size, generator, mask: str | None = None) -> tuple[dict, dict]:
     tensors = {"encoder_hidden_states": torch.randn(size.batch, size.text, _text(model), generator=generator)}
     axes = {"encoder_hidden_states": {0: "batch", 1: "text_seq"}}
-    if mask is not None:
+    if mask is not None:  # the last third of the caption is padding, as a tokenizer pads a short prompt
         dtype = torch.bool if mask == "bool" else torch.int64
-        tensors["encoder_attention_mask"] = torch.ones(size.batch, size.text, dtype=dtype)
+        tensors["encoder_attention_mask"] = (torch.arange(size.text) < size.text - size.text // 3).to(dtype).expand(
+            size.batch, size.text).contiguous()
         axes["encoder_attention_mask"] = {0: "batch", 1: "text_seq"}
     return tensors, axes
 
@@ -167,6 +168,13 @@ def _hunyuan_video(model, size, generator) -> Inputs:
     return _ordered(model, *parts)
 
 
+def _video(model, size, generator) -> Inputs:
+    """A video transformer of the common signature (Mochi, SanaVideo, ...): the latent, timestep, caption, mask."""
+    latent, axes = _video_latent(model, size, generator)
+    return _ordered(model, ({"hidden_states": latent}, {"hidden_states": axes}), _timestep(size, generator),
+                    _text_inputs(model, size, generator, mask="int"))
+
+
 def _lumina2(model, size, generator) -> Inputs:
     latent, axes = _video_latent(model, size, generator, layout="bchw")
     return _ordered(model, ({"hidden_states": latent}, {"hidden_states": axes}),
@@ -188,8 +196,25 @@ def _ltx(model, size, generator) -> Inputs:
 
 def _cogvideox(model, size, generator) -> Inputs:
     latent, axes = _video_latent(model, size, generator, layout="bfchw")
+    tables = {}
+    if _config(model, "use_rotary_positional_embeddings"):  # else the pipeline passes none
+        tables = dict(zip(("image_rotary_cos", "image_rotary_sin"), _cogvideox_tables(model, size), strict=True))
     return _ordered(model, ({"hidden_states": latent}, {"hidden_states": axes}),
-                    _text_inputs(model, size, generator), _timestep(size, generator))
+                    _text_inputs(model, size, generator), _timestep(size, generator),
+                    (tables, {name: {0: "image_seq"} for name in tables}))
+
+
+def _cogvideox_tables(model, size: LatentSize) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables CogVideoXPipeline passes its transformer as ``image_rotary_emb`` for this latent: the
+    pipeline's own ``_prepare_rotary_positional_embeddings`` (its pixel size is the latent's times the VAE's
+    spatial factor, 8), [frames * height/p * width/p, head_dim] each, float32."""
+    import types
+
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import CogVideoXPipeline
+
+    pipeline = types.SimpleNamespace(transformer=model, vae_scale_factor_spatial=8)
+    return CogVideoXPipeline._prepare_rotary_positional_embeddings(pipeline, size.height * 8, size.width * 8,
+                                                                   size.frames, torch.device("cpu"))
 
 
 @dataclass(frozen=True)
@@ -201,21 +226,16 @@ class Recipe:
     make: Callable[[torch.nn.Module, LatentSize, torch.Generator], Inputs]
     positions: tuple[str, ...] = ()  # float position inputs (not activations: the census is told)
     multiple: tuple[int, int, int] = (1, 2, 2)  # latent frames/height/width must be multiples of these
-    computes_rope: Callable | None = None  # builds the rotary tables diffusers' pipeline passes in, if any
+    # inputs the forward takes as one tuple argument: argument -> the file's inputs, in order (CogVideoX's
+    # image_rotary_emb = (cos, sin), the tables its pipeline computes); they stay float32 as the pipeline's are
+    tuples: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    video: bool | None = None  # fits only video (3-D) transformers, or only image ones; None: either
 
-
-def _cogvideox_rope(model, hidden_states: torch.Tensor):
-    """CogVideoXPipeline._prepare_rotary_positional_embeddings, from the latent's shape (the transformer takes
-    the tables as an input; the pipeline computes them from the frame count and the image size)."""
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-
-    config = model.config
-    patch = config.patch_size
-    frames, height, width = hidden_states.shape[1], hidden_states.shape[3] // patch, hidden_states.shape[4] // patch
-    if config.patch_size_t is not None:
-        frames = (frames + config.patch_size_t - 1) // config.patch_size_t
-    return get_3d_rotary_pos_embed(embed_dim=config.attention_head_dim, crops_coords=((0, 0), (height, width)),
-                                   grid_size=(height, width), temporal_size=frames, device=hidden_states.device)
+    @property
+    def float32_inputs(self) -> tuple[str, ...]:
+        """Inputs kept in float32 whatever the file's precision: positions and rotary tables, as pipelines pass
+        them."""
+        return self.positions + tuple(n for names in self.tuples.values() for n in names)
 
 
 RECIPES = {
@@ -226,9 +246,11 @@ RECIPES = {
     "hunyuan-video": Recipe("hunyuan-video", ("hidden_states", "timestep", "encoder_hidden_states",
                                               "encoder_attention_mask", "pooled_projections"), _hunyuan_video),
     "cogvideox": Recipe("cogvideox", ("hidden_states", "encoder_hidden_states", "timestep", "image_rotary_emb"),
-                        _cogvideox, computes_rope=_cogvideox_rope),
+                        _cogvideox, tuples={"image_rotary_emb": ("image_rotary_cos", "image_rotary_sin")}),
     "lumina2": Recipe("lumina2", ("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask"),
-                      _lumina2),
+                      _lumina2, video=False),
+    "video": Recipe("video", ("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask"), _video,
+                    video=True),
     "wan": Recipe("wan", ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"), _wan),
 }
 
@@ -238,17 +260,33 @@ def _parameters(model) -> list[str]:
 
 
 def recipe_for(model: torch.nn.Module, family: str | None = None) -> Recipe:
-    """The recipe of ``family``, else the first whose identifying parameters the forward takes."""
+    """The recipe of ``family``, else the first that fits the model: its identifying parameters are the forward's,
+    and it makes every input the forward requires."""
     if family is not None:
         if family not in RECIPES:
             raise RecipeError(f"unknown diffusers family {family!r}; choose from {', '.join(RECIPES)}")
         return RECIPES[family]
-    names = set(_parameters(model))
     for recipe in RECIPES.values():
-        if set(recipe.signature) <= names:
+        if _fits(model, recipe):
             return recipe
     raise RecipeError(f"{type(model).__name__}: rope-export has no recipe for calling it (its forward takes "
                       f"{', '.join(_parameters(model))}); the families it knows: {', '.join(RECIPES)}")
+
+
+def _fits(model, recipe: Recipe) -> bool:
+    parameters = inspect.signature(model.forward).parameters
+    if not set(recipe.signature) <= set(parameters):
+        return False
+    if recipe.video is not None and recipe.video != ("3D" in type(model).__name__):  # diffusers' class naming
+        return False
+    required = {n for n, p in parameters.items() if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n != "self"}
+    try:
+        made = set(recipe.make(model, TRACED, torch.Generator().manual_seed(0)).tensors)
+    except (RecipeError, AttributeError, TypeError, ValueError, KeyError, AssertionError):  # a config it cannot read
+        return False
+    made = {n for n in made if not any(n in names for names in recipe.tuples.values())} | set(recipe.tuples)
+    return required <= made
 
 
 def inputs_at(model, recipe: Recipe, size: LatentSize, seed: int = 0) -> Inputs:
@@ -272,6 +310,7 @@ class Denoiser(torch.nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         kwargs = dict(zip(self.names, inputs, strict=True))
-        if self.recipe.computes_rope is not None:
-            kwargs["image_rotary_emb"] = self.recipe.computes_rope(self.model, kwargs["hidden_states"])
+        for argument, names in self.recipe.tuples.items():
+            if all(n in kwargs for n in names):
+                kwargs[argument] = tuple(kwargs.pop(n) for n in names)
         return self.model(**kwargs, **self.constants, return_dict=False)[0]

@@ -7,7 +7,7 @@ command line from it, and then:
   onnxruntime) equals diffusers' transformer at the traced latent size and at one whose every axis differs
   (``recipes.OTHER``), within the block tolerance at the output's scale;
 * ``rope-export check`` on the file says PASS against diffusers rebuilt from the recorded folder.
-Flux runs in ``make test``; the other families are slow (each export is 20-60 s on this machine).
+Flux runs in ``make test``; the other families are slow (each export is 40-80 s on this machine).
 """
 
 from __future__ import annotations
@@ -36,13 +36,11 @@ from rope_export.runtimes.runners import CpuTwinRunner  # noqa: E402
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 QUICK = ("FluxTransformer2DModel",)
-# families whose export does not pass yet, with why (docs/diffusers.md); "not run": it does not finish in minutes
+# families whose export does not pass, with why (docs/diffusers.md)
 NOT_YET = {
-    "WanTransformer3DModel": "Wan's rotation (a closure writing strided slices) stays decomposed: 4 counted, 0 fused",
-    "LTXVideoTransformer3DModel": "torch.export fails on the recipe's dynamic axes (s41 vs s74//s21)",
-    "HunyuanVideoTransformer3DModel": "not run: the export did not finish in minutes; not diagnosed",
-    "Lumina2Transformer2DModel": "complex_pairs has no real-pair rewrite for the complex repeat of its embedder",
-    "CogVideoXTransformer3DModel": "2 rotations counted, 0 fused; its frame axis comes out static",
+    "Lumina2Transformer2DModel": "diffusers' Lumina 2 forward reads the caption lengths as Python ints "
+                                 "(attention_mask.sum(dim=1).tolist()) and hashes them (len(set(seq_lengths))): "
+                                 "torch.export cannot trace that",
 }
 
 

@@ -1,5 +1,10 @@
-"""Tiny random configs of diffusers' rotating transformers (a few hundred kB of weights each): the named
-families of issue 39, each with the same axes and rotation spelling as the released model."""
+"""Tiny random configs of diffusers' transformers (a few hundred kB of weights each).
+
+``TINY`` holds the named families of issue 39, each with the released model's axes and rotation spelling and
+sizes the recipes' latents fit (diffusers' own test config of CogVideoX has no RoPE, Flux's none of the
+16/56/56 split); every other class takes the config of diffusers' own model tests
+(``diffusers_zoo_configs.CONFIGS``, written by ``make_zoo_configs.py``).
+"""
 
 from __future__ import annotations
 
@@ -26,9 +31,22 @@ TINY = {
 }
 
 
+def config(class_name: str) -> dict | None:
+    """The tiny config of a class: ``TINY``'s, else diffusers' own test config, else None."""
+    from diffusers_zoo_configs import CONFIGS
+
+    if class_name in TINY:
+        return TINY[class_name]
+    entry = CONFIGS.get(class_name)
+    return None if entry is None else entry["config"]
+
+
 def tiny(class_name: str, seed: int = 0):
     import diffusers
     import torch
 
+    found = config(class_name)
+    if found is None:
+        raise KeyError(f"{class_name} has no tiny config")
     torch.manual_seed(seed)
-    return getattr(diffusers, class_name)(**TINY[class_name]).eval()
+    return getattr(diffusers, class_name)(**found).eval()

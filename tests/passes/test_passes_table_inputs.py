@@ -93,6 +93,7 @@ def test_undeclared_float_inputs_are_not_taken_for_tables(plain):
 def test_export_module_declares_the_inputs_its_census_finds_to_be_tables():
     inputs = _inputs(2, 2, 3, 4)
     assert count_rotations(VideoTokens(), inputs).table_inputs == (1, 2)
-    result = rope_export.export_module(VideoTokens(), inputs, dynamic_shapes=SHAPES, input_names=["latent", "cos", "sin"])
+    result = rope_export.export_module(VideoTokens(), inputs, dynamic_shapes=SHAPES,
+                                       input_names=["latent", "cos", "sin"])
     assert result.rotary_nodes == 1 and result.count.ok, result.as_text()
     _assert_matches_eager(result.model)
