@@ -52,7 +52,7 @@ class DiffusersReference(Reference):
         except ImportError:
             raise CheckError("comparing with diffusers needs it installed: pip install 'rope-export[diffusers]'; or "
                              "compare with --reference OTHER.onnx") from None
-        from rope_export.diffusion.recipes import RECIPES, LatentSize
+        from rope_export.diffusion.recipes import OTHER, RECIPES, LatentSize
 
         self.class_name = mf.metadata.get("diffusers_class", "")
         self.cls = getattr(diffusers, self.class_name, None)
@@ -71,6 +71,7 @@ class DiffusersReference(Reference):
             raise CheckError(f"{mf.label}: metadata rope_export.dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         try:
             self.traced = LatentSize(**_json(mf, "traced_latent"))
+            self.other = LatentSize(**_json(mf, "other_latent", vars(OTHER)))  # axes the export made static kept
         except TypeError:
             raise CheckError(f"{mf.label}: metadata rope_export.traced_latent is not a latent size; re-export "
                              "it") from None
@@ -109,11 +110,11 @@ class DiffusersReference(Reference):
 
     def cases(self, mf: ModelFile) -> tuple[list[Case], str]:
         """The traced latent size and one never traced, in the file's input names; and their description."""
-        from rope_export.diffusion.recipes import OTHER, inputs_at
+        from rope_export.diffusion.recipes import inputs_at
 
         model = self._build_skeleton()
         cases = []
-        for label, size, seed in (("traced-latent", self.traced, 1), ("other-latent", OTHER, 2)):
+        for label, size, seed in (("traced-latent", self.traced, 1), ("other-latent", self.other, 2)):
             inputs = inputs_at(model, self.recipe, size, seed)
             if list(inputs.tensors) != self.input_names:
                 raise CheckError(f"{mf.label}: inputs {self.input_names} are not what the {self.recipe.name} recipe "
@@ -124,7 +125,7 @@ class DiffusersReference(Reference):
                     tensor = tensor.to(DTYPES[self.dtype])
                 feeds[name] = tensor.numpy()
             cases.append(Case(label, feeds, None))
-        return cases, f"two latent sizes: {self.traced.describe()} (traced) and {OTHER.describe()} (never traced)"
+        return cases, f"two latent sizes: {self.traced.describe()} (traced) and {self.other.describe()}"
 
     def _build_skeleton(self):
         """The model the recipe reads its config from (the config only: random init is cheap at check sizes)."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx_ir as ir
@@ -57,9 +58,15 @@ class DiffusersExportResult:
         return "\n".join(lines)
 
 
-def dynamic_shapes(inputs: Inputs, recipe: Recipe) -> tuple[tuple[dict, ...]]:
+# an axis torch.export finds diffusers' code to specialise -> the latent size's fields that then stay as traced
+SIZE_FIELDS = {"batch": ("batch",), "frames": ("frames",), "height": ("height",), "width": ("width",),
+               "text_seq": ("text",), "image_seq": ("frames", "height", "width")}
+
+
+def dynamic_shapes(inputs: Inputs, recipe: Recipe, static: frozenset[str] = frozenset()) -> tuple[tuple[dict, ...]]:
     """torch.export's specification of the inputs' dynamic axes: one Dim per axis name, shared by every input
-    that has it; a latent axis the patch size divides is that multiple of its Dim."""
+    that has it; a latent axis the patch size divides is that multiple of its Dim; the axes named in ``static``
+    keep the example's size."""
     multiples = dict(zip(("frames", "height", "width"), recipe.multiple, strict=True))
     made: dict[str, object] = {}
 
@@ -70,8 +77,8 @@ def dynamic_shapes(inputs: Inputs, recipe: Recipe) -> tuple[tuple[dict, ...]]:
             made[key] = torch.export.Dim(name) if multiple == 1 else multiple * torch.export.Dim(key)
         return made[key]
 
-    specs = tuple({axis: dim(name, inputs.tensors[n].dim() >= 4) for axis, name in inputs.axes.get(n, {}).items()}
-                  or None for n in inputs.tensors)
+    specs = tuple({axis: dim(name, inputs.tensors[n].dim() >= 4) for axis, name in inputs.axes.get(n, {}).items()
+                   if name not in static} or None for n in inputs.tensors)
     return (specs,)  # Denoiser.forward(*inputs): one entry, the tuple of the inputs' specs
 
 
@@ -112,13 +119,28 @@ def export_diffusers(
     wrapper = Denoiser(model, recipe, names, inputs.constants)
     args = _cast(inputs, recipe, dtype)
     notes: list[str] = []
-    shapes = dynamic_shapes(inputs, recipe)
-    dynamic = sorted({n for axes in inputs.axes.values() for n in axes.values()})
     say(f"{type(model).__name__}: family {recipe.name}, traced at {traced.describe()}")
-    result = export_module(wrapper, args, dynamic_shapes=shapes, input_names=names, output_names=[OUTPUT_NAME],
-                           opset=opset, allow_decomposed=allow_decomposed, progress=say, verbose=verbose)
+    static: frozenset[str] = frozenset()
+    while True:  # an axis diffusers' own code specialises is made static, said in a note, and the export retried
+        try:
+            result = export_module(wrapper, args, dynamic_shapes=dynamic_shapes(inputs, recipe, static),
+                                   input_names=names, output_names=[OUTPUT_NAME], opset=opset,
+                                   allow_decomposed=allow_decomposed, progress=say, verbose=verbose)
+            break
+        except Exception as exc:  # noqa: BLE001 - only torch.export's "Constraints violated (AXIS)" is retried
+            found = _specialised_axes(exc) - static
+            if not found:
+                raise
+            static |= found
+            say(f"torch.export finds diffusers' code specialises {', '.join(sorted(found))}: exporting it static")
+    if static:
+        other = replace(other, **{f: getattr(traced, f) for axis in static for f in SIZE_FIELDS[axis]})
+        notes.append(f"{', '.join(sorted(static))} static (at {traced.describe()}): torch.export finds that "
+                     "diffusers' code specialises it (Constraints violated); the other latent size varies only the "
+                     "dynamic axes")
+    dynamic = sorted({n for axes in inputs.axes.values() for n in axes.values()} - static)
     ir_model = result.ir_model
-    ir_model.metadata_props.update(_metadata(model, recipe, traced, dtype, source, result))
+    ir_model.metadata_props.update(_metadata(model, recipe, traced, other, dtype, source, result))
     say(f"running the file (lowered to onnx) on onnxruntime against diffusers at {other.describe()}")
     other_args = _cast(inputs_at(model, recipe, other, seed + 1), recipe, dtype)
     other_notes = check_on_onnxruntime(wrapper, other_args, {}, ir_model)  # raises FileMismatchError on a mismatch
@@ -132,14 +154,27 @@ def export_diffusers(
                                  dynamic, verified, notes)
 
 
-def _metadata(model, recipe: Recipe, traced: LatentSize, dtype, source: dict | None, result) -> dict[str, str]:
+def _specialised_axes(exc: BaseException) -> frozenset[str]:
+    """The latent axes a torch.export failure names as specialised ("Constraints violated (batch)!"), else none."""
+    found, seen = set(), set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        match = re.search(r"Constraints violated \(([^)]*)\)", str(exc))
+        if match:
+            found |= {re.sub(r"_\d+$", "", name.strip()) for name in match.group(1).split(",")}
+        exc = exc.__cause__ or exc.__context__
+    return frozenset(found & set(SIZE_FIELDS))
+
+
+def _metadata(model, recipe: Recipe, traced: LatentSize, other: LatentSize, dtype, source: dict | None,
+              result) -> dict[str, str]:
     import diffusers
 
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
     meta = {"source": "diffusers", "diffusers_class": type(model).__name__, "diffusers_family": recipe.name,
             "diffusers_version": diffusers.__version__, "diffusers_config": json.dumps(config, default=list),
-            "dtype": dtype_name, "traced_latent": json.dumps(vars(traced)),
+            "dtype": dtype_name, "traced_latent": json.dumps(vars(traced)), "other_latent": json.dumps(vars(other)),
             "rotations_eager": str(len(result.census.plain)), "rotary_nodes": str(result.rotary_nodes)}
     if source:
         meta["diffusers_source"] = json.dumps(source)
