@@ -21,7 +21,7 @@ TRT_LEAN10_DIR := build/trt-lean-10
 export TENSORRT_INCLUDE_DIR
 export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
 
-.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-zoo-version lint clean
+.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-zoo-version diffusers-zoo lint clean
 
 # Every install reads the lock (requirements/lock.txt): a fresh clone next month installs what passed
 # today. The build backend comes from the lock too (--no-build-isolation), so nothing unpinned is installed.
@@ -121,6 +121,15 @@ hf-zoo: setup plugin
 	HF_ZOO_RECORD=build/hf_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_zoo.py || true
 	$(PY) tests/hf/hf_zoo_table.py build/hf_zoo.jsonl
 	$(PY) tests/hf/hf_zoo_versions.py build/hf_zoo.jsonl "$$($(PY) -c 'import transformers; print(transformers.__version__)')" whole
+
+# Re-record every class of the diffusers zoo (tests/diffusion/diffusers_zoo_results.json): the counts, then the
+# exports of the classes that rotate; and re-render docs/diffusers.md's zoo table.
+diffusers-zoo: setup plugin
+	rm -f build/diffusers_zoo.jsonl && mkdir -p build
+	DIFFUSERS_ZOO_RECORD=build/diffusers_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/diffusion/test_diffusers_zoo.py -k census || true
+	$(PY) tests/diffusion/diffusers_zoo_table.py build/diffusers_zoo.jsonl
+	DIFFUSERS_ZOO_RECORD=build/diffusers_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/diffusion/test_diffusers_zoo.py -k exports || true
+	$(PY) tests/diffusion/diffusers_zoo_table.py build/diffusers_zoo.jsonl
 
 # The quick zoo (make test's third of it) on another transformers release, for docs/versions.md's version
 # table: make hf-zoo-version TRANSFORMERS=5.0.0. No lock (pip picks what that release needs), own venv.

@@ -39,6 +39,7 @@ class DiffusersExportResult:
     class_name: str
     path: Path | None
     dynamic: list[str]  # the dynamic axes' names ("batch", "height", ...); empty: static
+    static: list[str] = field(default_factory=list)  # axes of the recipe diffusers' code specialises (kept static)
     verified: list[LatentSize] = field(default_factory=list)  # latent sizes the file equalled diffusers at
     notes: list[str] = field(default_factory=list)
 
@@ -133,6 +134,7 @@ def export_diffusers(
                 raise
             static |= found
             say(f"torch.export finds diffusers' code specialises {', '.join(sorted(found))}: exporting it static")
+    static |= _static_in_file(result.ir_model, inputs)  # torch.onnx may specialise an axis without a word
     if static:
         other = replace(other, **{f: getattr(traced, f) for axis in static for f in SIZE_FIELDS[axis]})
         notes.append(f"{', '.join(sorted(static))} static (at {traced.describe()}): torch.export finds that "
@@ -151,7 +153,18 @@ def export_diffusers(
         say(f"writing {output}")
         onnx_files.write(ir_model, output, external=external, check=True, progress=say)
     return DiffusersExportResult(result, recipe, type(model).__name__, None if output is None else Path(output),
-                                 dynamic, verified, notes)
+                                 dynamic, sorted(static), verified, notes)
+
+
+def _static_in_file(model: ir.Model, inputs: Inputs) -> frozenset[str]:
+    """The axes the recipe names that the file's inputs hold static (torch.onnx's capture refines dynamic shapes
+    from torch.export's suggested fixes: an axis diffusers' code specialises becomes static silently)."""
+    found = set()
+    for value in model.graph.inputs:
+        for axis, name in inputs.axes.get(value.name, {}).items():
+            if value.shape is not None and axis < value.shape.rank() and isinstance(value.shape[axis], int):
+                found.add(name)
+    return frozenset(found & set(SIZE_FIELDS))
 
 
 def _specialised_axes(exc: BaseException) -> frozenset[str]:
