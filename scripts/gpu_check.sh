@@ -111,7 +111,7 @@ if [[ -z "$archs" ]]; then
   if [[ "$device" != none ]]; then
     archs=$("$python" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())")
   else
-    archs=$("$python" -c "import sys; sys.path.insert(0, '.'); from rope_export.kernels.plugin import CUDA_ARCHS; print(';'.join(map(str, CUDA_ARCHS)))")
+    archs=$("$python" -c "import sys; sys.path.insert(0, '.'); from rope_export.kernels.libraries import CUDA_ARCHS; print(';'.join(map(str, CUDA_ARCHS)))")
   fi
 fi
 archs=${archs//,/;}

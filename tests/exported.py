@@ -15,7 +15,7 @@ import torch
 from rope_export.exporting.core import DTYPES, INPUT_NAMES
 from rope_export.presets import load_preset
 from rope_export.presets.export import export
-from rope_export.runtimes.runners import to_numpy
+from rope_export.runtimes.contract_runners import to_numpy
 
 CACHE_LEN = 64
 

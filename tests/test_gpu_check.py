@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rope_export.kernels.plugin import CUDA_LIBRARY, plugin_dir, source_root
+from rope_export.kernels.libraries import CUDA_LIBRARY, plugin_dir, source_root
 
 SCRIPT = source_root() / "scripts" / "gpu_check.sh"
 BARE = """

@@ -22,15 +22,14 @@ RUN_TARGET_S = 1.5
 ROUNDS = {"full": 5, "quick": 3, "smoke": 1}
 
 
-def _cases(work: Path) -> list[tuple[str, list[str], float | None]]:
-    from rope_export.cli import COMMANDS
-
+def _cases(work: Path, commands: tuple[str, ...]) -> list[tuple[str, list[str], float | None]]:
+    """What is timed: ``commands`` are the command line's own (``rope_export.cli.COMMANDS``, handed down by it)."""
     tiny, plain = str(work / "tiny.onnx"), str(work / "tiny-plain.onnx")
     cases: list[tuple[str, list[str], float | None]] = [
         ("python -c pass", [sys.executable, "-c", "pass"], None),
         ("rope-export --help", [*_rope_export(), "--help"], HELP_TARGET_S),
     ]
-    cases += [(f"rope-export {c} --help", [*_rope_export(), c, "--help"], HELP_TARGET_S) for c in COMMANDS]
+    cases += [(f"rope-export {c} --help", [*_rope_export(), c, "--help"], HELP_TARGET_S) for c in commands]
     for target in ("onnx", "ort", "trt-plugin", "decomposed"):
         cases.append((f"rope-export lower -t {target} (tiny)",
                       [*_rope_export(), "lower", tiny, "-t", target, "-o", str(work / f"out-{target}.onnx")],
@@ -44,7 +43,7 @@ def _rope_export() -> list[str]:
     return [sys.executable, "-m", "rope_export.cli"]
 
 
-def run_section(mode: str, say: Callable[[str], None]) -> dict:
+def run_section(mode: str, say: Callable[[str], None], commands: tuple[str, ...]) -> dict:
     rounds = ROUNDS.get(mode, 3)
     with tempfile.TemporaryDirectory(prefix="rope-export-bench-cli-") as tmp:
         work = Path(tmp)
@@ -58,7 +57,7 @@ def run_section(mode: str, say: Callable[[str], None]) -> dict:
         # what users fuse: a plain torch.onnx export of the block (fuse does not read back rope-export's own
         # decomposed lowering, whose out-of-range pass-through is not a spelling it knows)
         save_model(decomposed_export(load_preset("tiny")), work / "tiny-plain.onnx")
-        cases = _cases(work)
+        cases = _cases(work, commands)
         times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
         for r in range(rounds):  # interleaved: a burst of load hits every command alike
             say(f"cli: round {r + 1} of {rounds}, {len(cases)} commands")

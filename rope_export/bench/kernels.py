@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from rope_export.kernels.plugin import CUDA_ARCHS, source_root
+from rope_export.kernels.libraries import CUDA_ARCHS, source_root
 
 DEFAULT_ARCHS = (80, 90)  # --quick and --smoke: two architectures keep the compile under a minute
 CUDA_BIN_DIRS = ("/usr/local/cuda/bin",)

@@ -107,8 +107,19 @@ def print_report(results: dict, console) -> None:
                   f"caches {m['cpu_caches']}, load average {m['load_average_1_5_15min']} at start, "
                   f"{m.get('load_average_end')} at the end; torch {m['torch']}, "
                   f"onnxruntime {m['onnxruntime']}; mode {results['mode']}", highlight=False)
-    sections = results["sections"]
+    for print_one in _PRINTERS:
+        print_one(results["sections"], console)
+    t = Table(title="Goals (reported, not asserted)")
+    for col in ("goal", "where", "measured", "met"):
+        t.add_column(col)
+    for g in results["goals"]:
+        measured = _goal_measured(g)
+        t.add_row(g["goal"], g["where"], measured,
+                  "[green]yes[/green]" if g["met"] else "[red]no[/red]")
+    console.print(t)
 
+
+def _print_rope(sections: dict, console) -> None:
     rope = sections.get("rope_alone")
     if rope and rope.get("status", "measured") == "measured":
         console.print(_variants_table(
@@ -118,6 +129,10 @@ def print_report(results: dict, console) -> None:
                        _fmt(v["gb_per_s"], ".1f"))))
     elif rope:
         console.print(f"1. RoPE alone: {rope['status']}: {rope.get('reason')}")
+
+
+def _print_block(sections: dict, console) -> None:
+    from rich.table import Table
 
     block = sections.get("block")
     if block and block.get("status", "measured") == "measured":
@@ -138,6 +153,8 @@ def print_report(results: dict, console) -> None:
     elif block:
         console.print(f"2. Whole block: {block['status']}: {block.get('reason')}")
 
+
+def _print_twin(sections: dict, console) -> None:
     twin = sections.get("twin")
     if twin and twin.get("status", "measured") == "measured":
         console.print(_variants_table(
@@ -145,6 +162,10 @@ def print_report(results: dict, console) -> None:
             lambda v: (_fmt(v.get("fraction_of_copy"), ".2f"), _fmt(v.get("gb_per_s"), ".1f"))))
     elif twin:
         console.print(f"3. CPU twin: {twin['status']}: {twin.get('reason')}")
+
+
+def _print_gpu(sections: dict, console) -> None:
+    from rich.table import Table
 
     gpu = sections.get("gpu")
     if gpu and gpu.get("status") == "measured":
@@ -159,6 +180,10 @@ def print_report(results: dict, console) -> None:
         console.print(t)
     elif gpu:
         console.print(f"[yellow]4. GPU section skipped[/yellow]: {gpu.get('reason')}", highlight=False)
+
+
+def _print_kernels(sections: dict, console) -> None:
+    from rich.table import Table
 
     kernels = sections.get("kernels")
     if kernels and kernels.get("status") == "measured":
@@ -191,6 +216,8 @@ def print_report(results: dict, console) -> None:
     elif kernels:
         console.print(f"[yellow]5. kernel report skipped[/yellow]: {kernels.get('reason')}", highlight=False)
 
+
+def _print_scale(sections: dict, console) -> None:
     scale = sections.get("scale")
     if scale and "sizes" in scale:
         from rope_export.bench.scale_report import print_section
@@ -200,6 +227,8 @@ def print_report(results: dict, console) -> None:
         console.print(f"[yellow]6. scale section {scale.get('status')}[/yellow]: {scale.get('reason')}",
                       highlight=False)
 
+
+def _print_cli(sections: dict, console) -> None:
     cli = sections.get("cli")
     if cli and cli.get("status") == "measured":
         from rope_export.bench.cli_startup import print_section as print_cli
@@ -208,14 +237,9 @@ def print_report(results: dict, console) -> None:
     elif cli:
         console.print(f"[yellow]7. cli section {cli.get('status')}[/yellow]: {cli.get('reason')}", highlight=False)
 
-    t = Table(title="Goals (reported, not asserted)")
-    for col in ("goal", "where", "measured", "met"):
-        t.add_column(col)
-    for g in results["goals"]:
-        measured = _goal_measured(g)
-        t.add_row(g["goal"], g["where"], measured,
-                  "[green]yes[/green]" if g["met"] else "[red]no[/red]")
-    console.print(t)
+
+# the sections in report order, each printed by its own function
+_PRINTERS = (_print_rope, _print_block, _print_twin, _print_gpu, _print_kernels, _print_scale, _print_cli)
 
 
 def _goal_measured(goal: dict) -> str:
@@ -264,7 +288,16 @@ def report_markdown(results: dict) -> str:
         "same rounds. `spread` is the interquartile range over the median.",
         "",
     ]
-    s = results["sections"]
+    for markdown_one in _MARKDOWN:
+        lines += markdown_one(results["sections"])
+    lines += ["## Goals (reported, not asserted)", "", "| goal | where | measured | met |", "|---|---|---|---|"]
+    for g in results["goals"]:
+        lines.append(f"| {g['goal']} | {g['where']} | {_goal_measured(g)} | {'yes' if g['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _markdown_rope(s: dict) -> list[str]:
+    lines: list[str] = []
     rope = s.get("rope_alone")
     if rope and rope.get("status", "measured") == "measured":
         lines += [f"## 1. {rope['title']}", "", f"{rope['runtime']}. Models: {rope['models']}. "
@@ -278,6 +311,11 @@ def report_markdown(results: dict) -> str:
                              f"{_fmt(v['speedup_vs_decomposed'], '.2f', 'x')} | {_fmt(v['fraction_of_copy'], '.2f')} | "
                              f"{_fmt(v['gb_per_s'], '.1f')} |")
         lines.append("")
+    return lines
+
+
+def _markdown_block(s: dict) -> list[str]:
+    lines: list[str] = []
     block = s.get("block")
     if block and block.get("status", "measured") == "measured":
         lines += [f"## 2. {block['title']}", "", f"{block['runtime']}; caches of {block['cache_len']} rows. "
@@ -296,6 +334,11 @@ def report_markdown(results: dict) -> str:
                              f"{_fmt(sh['rope_ms'], '.3f')} | {_fmt(sh['node_ms'], '.3f')} | "
                              f"{_fmt(sh['rope_share'], '.1%')} |")
         lines.append("")
+    return lines
+
+
+def _markdown_twin(s: dict) -> list[str]:
+    lines: list[str] = []
     twin = s.get("twin")
     if twin and twin.get("status", "measured") == "measured":
         lines += [f"## 3. {twin['title']}", "", f"Threads: {twin['threads']}. {twin['ratios']}.", "",
@@ -306,11 +349,21 @@ def report_markdown(results: dict) -> str:
                              f"{_fmt(v['median_ms'], '.3f')} | {_fmt(v['spread'], '.0%')} | "
                              f"{_fmt(v.get('fraction_of_copy'), '.2f')} | {_fmt(v.get('gb_per_s'), '.1f')} |")
         lines.append("")
+    return lines
+
+
+def _markdown_gpu(s: dict) -> list[str]:
+    lines: list[str] = []
     gpu = s.get("gpu")
     if gpu:
         from rope_export.bench import gpu as gpu_section
 
         lines += ["## 4. GPU", ""] + gpu_section.markdown(gpu)
+    return lines
+
+
+def _markdown_kernels(s: dict) -> list[str]:
+    lines: list[str] = []
     kernels = s.get("kernels")
     if kernels:
         lines += ["## 5. CUDA kernels, static report", ""]
@@ -338,18 +391,29 @@ def report_markdown(results: dict) -> str:
                     f"{max(r['shared_bytes'] for r in rows)} | {loads} | {stores} | "
                     f"{'yes' if ok else ('no (scalar path)' if not vector else 'NO')} |")
             lines.append("")
+    return lines
+
+
+def _markdown_scale(s: dict) -> list[str]:
+    lines: list[str] = []
     if "sizes" in s.get("scale", {}):
         from rope_export.bench.scale_report import markdown
 
         lines += markdown(s["scale"])
+    return lines
+
+
+def _markdown_cli(s: dict) -> list[str]:
+    lines: list[str] = []
     if s.get("cli", {}).get("status") == "measured":
         from rope_export.bench.cli_startup import markdown as cli_markdown
 
         lines += cli_markdown(s["cli"])
-    lines += ["## Goals (reported, not asserted)", "", "| goal | where | measured | met |", "|---|---|---|---|"]
-    for g in results["goals"]:
-        lines.append(f"| {g['goal']} | {g['where']} | {_goal_measured(g)} | {'yes' if g['met'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+_MARKDOWN = (_markdown_rope, _markdown_block, _markdown_twin, _markdown_gpu, _markdown_kernels, _markdown_scale,
+             _markdown_cli)
 
 
 # -- plot --------------------------------------------------------------------------------------

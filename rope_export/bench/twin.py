@@ -1,6 +1,6 @@
 """Section 3: the kernels' CPU twin against a memory copy of the same bytes.
 
-The twin (``rope_export.kernels.plugin.run``) walks the CUDA grid with one host thread, so it is held
+The twin (``rope_export.kernels.cpu_twin.run``) walks the CUDA grid with one host thread, so it is held
 against single-thread copies: ``numpy.copyto`` between two preallocated buffers (a libc memcpy)
 moving the same total bytes (read x + the cos/sin rows used, write the output; q and k). The
 output buffers are preallocated too, so neither side pays for allocation. A third runner calls
@@ -36,7 +36,7 @@ LABELS = {
 def measure_case(case: RopeCase, rounds: int, say: Callable[[str], None]) -> dict:
     import torch
 
-    from rope_export.kernels import plugin
+    from rope_export.kernels import cpu_twin
 
     say(f"CPU twin {case.phase} {case.dtype}: preparing")
     inputs = make_inputs(case)
@@ -44,8 +44,8 @@ def measure_case(case: RopeCase, rounds: int, say: Callable[[str], None]) -> dic
     pos = torch.from_numpy(inputs.position_ids)
     cos, sin = torch.from_numpy(inputs.cos_cache), torch.from_numpy(inputs.sin_cache)
     oq, ok = torch.empty_like(xq), torch.empty_like(xk)
-    _, plan_q = plugin.run(xq, cos, sin, pos, out=oq)
-    _, plan_k = plugin.run(xk, cos, sin, pos, out=ok)
+    _, plan_q = cpu_twin.run(xq, cos, sin, pos, out=oq)
+    _, plan_k = cpu_twin.run(xk, cos, sin, pos, out=ok)
     cos_full, sin_full = full_width_tables(inputs)
     with torch.no_grad():
         expected = [torch_rotate_half(x, cos_full, sin_full, pos) for x in (xq, xk)]
@@ -54,9 +54,9 @@ def measure_case(case: RopeCase, rounds: int, say: Callable[[str], None]) -> dic
     agrees = all(tol.allclose(o.float().numpy(), e.float().numpy()) for o, e in zip((oq, ok), expected, strict=True))
     nbytes = inputs.rope_bytes()
     runners = {
-        TWIN: lambda: (plugin.run(xq, cos, sin, pos, out=oq), plugin.run(xk, cos, sin, pos, out=ok)),
-        OVERHEAD: lambda: (plugin.run(xq, cos, sin, pos, out=oq, blocks=(0, 0)),
-                           plugin.run(xk, cos, sin, pos, out=ok, blocks=(0, 0))),
+        TWIN: lambda: (cpu_twin.run(xq, cos, sin, pos, out=oq), cpu_twin.run(xk, cos, sin, pos, out=ok)),
+        OVERHEAD: lambda: (cpu_twin.run(xq, cos, sin, pos, out=oq, blocks=(0, 0)),
+                           cpu_twin.run(xk, cos, sin, pos, out=ok, blocks=(0, 0))),
         COPY: memcpy_of(nbytes, (inputs.x_q.size, inputs.x_k.size)),
     }
     say(f"CPU twin {case.phase} {case.dtype}: timing, {rounds} interleaved rounds")

@@ -47,6 +47,7 @@ from rope_export.common.fileio import check_writable
 from rope_export.detect import CountReport, RotationCensus, compare_with_file, count_rotations, rotary_nodes
 from rope_export.detect.census import module_path_of
 from rope_export.exporting import FACTORY_HELP
+from rope_export.exporting.onnxruntime_gaps import fill_onnxruntime_gaps
 from rope_export.files import onnx_files
 from rope_export.passes import FusionReport, fuse
 
@@ -169,8 +170,8 @@ def export_module(
     rotations. ``external``: where the weights go (``onnx_files.EXTERNAL_DATA``); the file is checked
     with onnx.checker on its way to disk, whatever its size.
     """
-    from rope_export.exporting.core import check_opset, custom_translation_table
-    from rope_export.exporting.torch_onnx import export_captured, is_capture_failure, quiet_exporter
+    from rope_export.exporting.complex_pairs import has_complex
+    from rope_export.exporting.core import check_opset
 
     say = progress or (lambda message: None)
     kwargs = dict(kwargs or {})
@@ -181,106 +182,28 @@ def export_module(
     if not isinstance(module, torch.nn.Module):
         raise ModuleExportError(f"expected a torch.nn.Module, got {type(module).__name__}")
     module = module.eval()
-    from rope_export.detect.functions import (
-        checked_on_real_calls,
-        find_rotary_functions,
-        recorded_calls,
-        rotary_functions_hooked,
-    )
-
-    say("counting the rotations of one eager forward")
-    with recorded_calls() as called:
-        census = count_rotations(module, args, kwargs)
-    functions = find_rotary_functions(module, called=called) if hook_functions else []
     notes: list[str] = []
-    if functions:
-        say("checking each rotary function on the block's own calls against its replacement")
-        checks = checked_on_real_calls(module, args, kwargs, functions)
-        functions = [c.function for c in checks if c.ok]
-        notes += [f"not hooked: {c.why}; the traced graph is fused instead" for c in checks if not c.ok]
+    census, functions = _count_and_find(module, args, kwargs, hook_functions, notes, say)
     say(f"exporting with torch.onnx (dynamo, opset {opset})")
-    from rope_export.exporting.complex_pairs import complex_as_pairs, has_complex
-
     # complex rotations (any spelling) are traced as real pairs: torch.onnx cannot export complex tensors
-    pairs = any(site.form == "complex" for site in census.sites) or has_complex(module)
-    if pairs:
+    tracer = _Tracer(module, args, kwargs, dynamic_shapes, opset, input_names, output_names, verbose, say,
+                     pairs=any(site.form == "complex" for site in census.sites) or has_complex(module))
+    if tracer.pairs:
         notes.append("complex tensors traced as real pairs [..., 2] (rope_export.exporting.complex_pairs): torch.onnx "
                      "cannot export complex tensors")
-
-    def trace(shapes, auto: bool = False):
-        if auto and kwargs:  # auto_dynamic_shapes' (args specs, kwargs specs)
-            shapes = {**_named(module, shapes[0]), **shapes[1]}
-        elif auto:
-            shapes = shapes[0]
-        paired = complex_as_pairs(module) if pairs else contextlib.nullcontext()
-        options = dict(opset_version=opset, input_names=input_names, output_names=output_names,
-                       custom_translation_table=custom_translation_table(), verbose=verbose)
-        with torch.no_grad(), quiet_exporter(verbose), paired:
-            try:
-                return torch.onnx.export(module, args, kwargs=kwargs or None, dynamo=True, dynamic_shapes=shapes,
-                                         **options)
-            except Exception as exc:  # noqa: BLE001 - given axes: try torch.export's own capture once
-                if dynamic_shapes == "auto" or not is_capture_failure(exc):
-                    raise
-            say("torch.onnx's capture failed; capturing with torch.export's defaults and translating that program")
-            return export_captured(module, args, kwargs, shapes, **options)
-
-    def trace_shapes():
-        if dynamic_shapes != "auto":
-            return trace(dynamic_shapes)
-        try:
-            return trace(auto_dynamic_shapes(args, kwargs), auto=True)
-        except Exception:  # noqa: BLE001 - the shared names did not hold (e.g. a dim torch specializes)
-            say("batch/seq shared across inputs did not trace; letting torch choose each dim")
-        try:
-            return trace(auto_dynamic_shapes(args, kwargs, shared=False), auto=True)
-        except Exception:  # noqa: BLE001 - e.g. torch.export's own assertion on a small non-batch dim
-            say("dims 0/1 of every input dynamic did not trace; only the first input's, the others static")
-            return trace(auto_dynamic_shapes(args, kwargs, first_only=True), auto=True)
-
-    hooked: list[str] = []
-    program = None
-    if functions:
-        say(f"routing {len(functions)} rotary function(s) through the op: "
-            + ", ".join(f.qualified for f in functions))
-        try:
-            with rotary_functions_hooked(functions):
-                program = trace_shapes()
-            hooked = [f"{f.qualified} -> rope_export::RotaryEmbedding ({f.form.name})" for f in functions]
-        except Exception as exc:  # noqa: BLE001 - the plain export below still fuses them
-            notes.append(f"the export with rotary functions hooked failed ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0][:160]}); exported as written and fused instead")
-    if program is None:
-        try:
-            program = trace_shapes()
-        except Exception as exc:  # noqa: BLE001 - name the complex op the pairs could not take, if that was it
-            cause = _complex_rewrite_cause(exc) if pairs else None
-            if cause is None:
-                raise
-            raise ModuleExportError(f"{cause}: the block's complex code cannot be traced as real pairs, and "
-                                    "torch.onnx cannot export complex tensors") from exc
-    from rope_export.exporting.onnxruntime_gaps import fill_onnxruntime_gaps
-
+    program, hooked = tracer.program(functions, notes)
     notes += fill_onnxruntime_gaps(program.model)
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
-    tables = _table_input_names(census, program.model, args, kwargs)
-    model = fuse(program.model, report=fusion, adopt_standard=True, table_inputs=tables)  # in place: no weight copy
+    model = fuse(program.model, report=fusion, adopt_standard=True,  # in place: no copy of the weights
+                 table_inputs=_table_input_names(census, program.model, args, kwargs))
     if output is None:
         if onnx_files.weight_bytes(model) < onnx_files.EXTERNAL_DATA_THRESHOLD:
             onnx.checker.check_model(ir.to_proto(model), full_check=True)
         else:
             notes.append("onnx.checker skipped (weights past 2 GB and no output file): give an output path, the "
                          "file is checked on its way to disk")
-    count = compare_with_file(census, model, allow_decomposed=True) if allow_decomposed else None
-    sites = site_reports(census, fusion, model)
-    if count is None:
-        try:
-            count = compare_with_file(census, model)
-        except ValueError as exc:
-            raise type(exc)(f"{exc}\n{_table(sites)}\n" + "".join(f"note: {n}\n" for n in notes)
-                            + "nothing was written; pass allow_decomposed=True "
-                            "(--allow-decomposed) to write the file anyway") from None
+    count, sites = _compared(census, fusion, model, allow_decomposed, notes)
     say("recording the module's eager outputs for the example (what `check` compares with PyTorch)")
     recorded, note = record_example(module, args, kwargs, model)
     model.metadata_props.update(recorded)
@@ -293,6 +216,108 @@ def export_module(
         onnx_files.write(model, output, external=external, check=True, progress=say)
     return ModuleExportResult(model, None if output is None else Path(output), census, fusion, count, sites, notes,
                               hooked)
+
+
+def _count_and_find(module, args, kwargs, hook_functions: bool, notes: list[str], say):
+    """(the rotations of one eager forward, the rotary functions its code calls that verify on its own calls)."""
+    from rope_export.detect.functions import checked_on_real_calls, find_rotary_functions, recorded_calls
+
+    say("counting the rotations of one eager forward")
+    with recorded_calls() as called:
+        census = count_rotations(module, args, kwargs)
+    functions = find_rotary_functions(module, called=called) if hook_functions else []
+    if functions:
+        say("checking each rotary function on the block's own calls against its replacement")
+        checks = checked_on_real_calls(module, args, kwargs, functions)
+        functions = [c.function for c in checks if c.ok]
+        notes += [f"not hooked: {c.why}; the traced graph is fused instead" for c in checks if not c.ok]
+    return census, functions
+
+
+class _Tracer:
+    """torch.onnx's program of the module: with its rotary functions hooked where that traces, else as written;
+    ``dynamic_shapes="auto"`` tries shared batch/seq names, then a dim per input, then the first input's only."""
+
+    def __init__(self, module, args, kwargs, dynamic_shapes, opset, input_names, output_names, verbose, say, *,
+                 pairs: bool):
+        self.module, self.args, self.kwargs, self.dynamic_shapes = module, args, kwargs, dynamic_shapes
+        self.opset, self.input_names, self.output_names, self.verbose, self.say = (
+            opset, input_names, output_names, verbose, say)
+        self.pairs = pairs
+
+    def trace(self, shapes, auto: bool = False):
+        from rope_export.exporting.complex_pairs import complex_as_pairs
+        from rope_export.exporting.core import custom_translation_table
+        from rope_export.exporting.torch_onnx import export_captured, is_capture_failure, quiet_exporter
+
+        if auto and self.kwargs:  # auto_dynamic_shapes' (args specs, kwargs specs)
+            shapes = {**_named(self.module, shapes[0]), **shapes[1]}
+        elif auto:
+            shapes = shapes[0]
+        paired = complex_as_pairs(self.module) if self.pairs else contextlib.nullcontext()
+        options = dict(opset_version=self.opset, input_names=self.input_names, output_names=self.output_names,
+                       verbose=self.verbose, custom_translation_table=custom_translation_table())
+        with torch.no_grad(), quiet_exporter(self.verbose), paired:
+            try:
+                return torch.onnx.export(self.module, self.args, kwargs=self.kwargs or None, dynamo=True,
+                                         dynamic_shapes=shapes, **options)
+            except Exception as exc:  # noqa: BLE001 - given axes: try torch.export's own capture once
+                if self.dynamic_shapes == "auto" or not is_capture_failure(exc):
+                    raise
+            self.say("torch.onnx's capture failed: capturing with torch.export's defaults, translating that")
+            return export_captured(self.module, self.args, self.kwargs, shapes, **options)
+
+    def trace_shapes(self):
+        args, kwargs = self.args, self.kwargs
+        if self.dynamic_shapes != "auto":
+            return self.trace(self.dynamic_shapes)
+        try:
+            return self.trace(auto_dynamic_shapes(args, kwargs), auto=True)
+        except Exception:  # noqa: BLE001 - the shared names did not hold (e.g. a dim torch specializes)
+            self.say("batch/seq shared across inputs did not trace; letting torch choose each dim")
+        try:
+            return self.trace(auto_dynamic_shapes(args, kwargs, shared=False), auto=True)
+        except Exception:  # noqa: BLE001 - e.g. torch.export's own assertion on a small non-batch dim
+            self.say("dims 0/1 of every input dynamic did not trace; only the first input's, the others static")
+            return self.trace(auto_dynamic_shapes(args, kwargs, first_only=True), auto=True)
+
+    def program(self, functions, notes: list[str]):
+        """(the program, what was hooked): hooked first; a hooked trace that fails is traced as written and fused."""
+        from rope_export.detect.functions import rotary_functions_hooked
+
+        if functions:
+            self.say(f"routing {len(functions)} rotary function(s) through the op: "
+                     + ", ".join(f.qualified for f in functions))
+            try:
+                with rotary_functions_hooked(functions):
+                    program = self.trace_shapes()
+                return program, [f"{f.qualified} -> rope_export::RotaryEmbedding ({f.form.name})" for f in functions]
+            except Exception as exc:  # noqa: BLE001 - the plain export below still fuses them
+                notes.append(f"the export with rotary functions hooked failed ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:160]}); exported as written and fused instead")
+        try:
+            return self.trace_shapes(), []
+        except Exception as exc:  # noqa: BLE001 - name the complex op the pairs could not take, if that was it
+            cause = _complex_rewrite_cause(exc) if self.pairs else None
+            if cause is None:
+                raise
+            raise ModuleExportError(f"{cause}: the block's complex code cannot be traced as real pairs, and "
+                                    "torch.onnx cannot export complex tensors") from exc
+
+
+def _compared(census, fusion, model, allow_decomposed: bool, notes: list[str]):
+    """(the count of rotations against rotary nodes, the per-module sites); a shortfall is an error with the sites'
+    table unless ``allow_decomposed``."""
+    count = compare_with_file(census, model, allow_decomposed=True) if allow_decomposed else None
+    sites = site_reports(census, fusion, model)
+    if count is None:
+        try:
+            count = compare_with_file(census, model)
+        except ValueError as exc:
+            raise type(exc)(f"{exc}\n{_table(sites)}\n" + "".join(f"note: {n}\n" for n in notes)
+                            + "nothing was written; pass allow_decomposed=True "
+                            "(--allow-decomposed) to write the file anyway") from None
+    return count, sites
 
 
 EXAMPLE_LIMIT = 1 << 20  # bytes of example inputs and eager outputs kept in the file's metadata
@@ -456,23 +481,3 @@ def load_factory(spec: str) -> dict:
     args = parts.get("args", ())
     parts["args"] = args if isinstance(args, tuple) else tuple(args) if isinstance(args, list) else (args,)
     return parts
-
-
-def run_module_export(args) -> int:
-    """``rope-export export --module SPEC -o OUT.onnx [--opset N] [--allow-decomposed]``."""
-    from rich.console import Console
-
-    from rope_export.common.steps import cli_steps
-    from rope_export.files.onnx_files import output_files
-
-    console = Console()
-    check_writable(args.output)  # before importing the user's module and tracing it
-    parts = load_factory(args.module)
-    with cli_steps(console, f"rope-export export --module: {args.output}", args.summary_json) as progress:
-        result = export_module(parts.pop("module"), parts.pop("args"), parts.pop("kwargs", None), output=args.output,
-                               opset=args.opset, allow_decomposed=args.allow_decomposed, external=args.external_data,
-                               progress=progress, verbose=args.verbose, **parts)
-        progress.add_files(output_files(args.output))
-    console.print(result.as_text(), markup=False, highlight=False)
-    console.print(f"{result.rotary_nodes} rotary node(s) for {len(result.census.plain)} rotation(s): {result.path}")
-    return 0

@@ -16,14 +16,14 @@ The package follows polygraphy's split between what is compared and how:
 * ``graph`` and ``cache_rows``: every stored cache row compared with the RoPE configuration, and each
   rotary node run alone over every position on every runner;
 * ``compare`` and ``report``: error statistics, error by position, JSON/Markdown/PNG;
-* ``core``: ``check()`` itself; ``cli``: the command.
+* ``core``: ``check()`` itself and its ``CheckOptions`` (the command: ``rope_export.cli.check``).
 """
 
 from rope_export.common.lazy import lazy_getattr
 
-# Imported on first use (PEP 562): `rope-export check --help` needs only cli.py, not torch or onnxruntime.
+# Imported on first use (PEP 562): importing the package does not import torch or onnxruntime.
 _EXPORTS = {
-    "register": "cli", "OutputStats": "compare", "compare_output": "compare", "position_buckets": "compare",
+    "OutputStats": "compare", "CheckOptions": "core", "compare_output": "compare", "position_buckets": "compare",
     "check": "core", "Case": "inputs", "InputPlan": "inputs", "CheckError": "model_file",
     "CheckReport": "report", "RunnerReport": "report", "print_report": "report", "report_dict": "report",
     "report_markdown": "report", "write_reports": "report", "RUNNERS": "runners",
@@ -36,6 +36,7 @@ __all__ = [
     "RUNNERS",
     "Case",
     "CheckError",
+    "CheckOptions",
     "CheckReport",
     "InputPlan",
     "OutputStats",
@@ -44,7 +45,6 @@ __all__ = [
     "compare_output",
     "position_buckets",
     "print_report",
-    "register",
     "report_dict",
     "report_markdown",
     "write_reports",

@@ -194,7 +194,7 @@ def _rotate(golden: _Golden, sl: RotarySlice, x: np.ndarray, positions: np.ndarr
     import torch
 
     from rope_export.op.reference import rotary_embedding
-    from rope_export.runtimes.runners import to_torch
+    from rope_export.runtimes.contract_runners import to_torch
 
     rn = sl.chosen
     xt = to_torch(x)

@@ -5,8 +5,9 @@ then each rotary node alone is swept over every position on every runner.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -47,114 +48,204 @@ def _raw_positions(mf: ModelFile) -> bool:
     return any(rn.kind in ("onnx", "ort") and rn.position_ids in inputs for rn in rotary_nodes(mf.proto.graph))
 
 
-def check(
-    model: onnx.ModelProto | str | os.PathLike,
-    runners: tuple[str, ...] = RUNNERS,
-    *,
-    reference: str | os.PathLike | None = None,
-    hf_config: str | os.PathLike | None = None,
-    weights: str | os.PathLike | None = None,
-    seed: int | None = None,
-    random_weights: bool = False,
-    inputs: list[str] | None = None,
-    batch: int | None = None,
-    seq: int | None = None,
-    past: int | None = None,
-    long_seq: int | None = None,
-    sweep: bool = True,
-    reference_block=None,
-    module=None,
-    args=None,
-    kwargs: dict | None = None,
-    plugin_library: str | None = None,
-    memory_limit_gb: float | None = None,
-    max_in_memory_gb: float | None = None,
-    piece_limit_gb: float | None = None,
-    precision: str = "auto",
-    progress=None,
-) -> CheckReport:
+@dataclass
+class CheckOptions:
+    """What ``check`` is asked to do beyond the file and its runners (each field: a ``rope-export check`` flag)."""
+
+    # the reference (default: read from the file)
+    reference: str | os.PathLike | None = None  # --reference OTHER.onnx
+    hf_config: str | os.PathLike | None = None  # --hf
+    weights: str | os.PathLike | None = None
+    seed: int | None = None
+    random_weights: bool = False
+    reference_block: object = None  # a preset's PyTorch block (Python API)
+    module: object = None  # export_module's module, with the example it was exported with
+    args: object = None
+    kwargs: dict | None = None
+    precision: str = "auto"  # the layer-streamed reference of a transformers causal LM
+    # the inputs
+    inputs: list[str] | None = None  # the user's feeds
+    batch: int | None = None
+    seq: int | None = None
+    past: int | None = None
+    long_seq: int | None = None
+    sweep: bool = True  # each rotary node alone over every position
+    # the runners and their memory
+    plugin_library: str | None = None
+    memory_limit_gb: float | None = None
+    max_in_memory_gb: float | None = None
+    piece_limit_gb: float | None = None
+
+    def validate(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise CheckError(f"unknown reference precision {self.precision!r}; choose from {', '.join(PRECISIONS)}")
+        if self.reference is not None and self.hf_config is not None:
+            raise CheckError("give either --reference OTHER.onnx or --hf CONFIG, not both")
+        if self.module is not None and (self.reference is not None or self.hf_config is not None):
+            raise CheckError("give module= or --reference/--hf, not both")
+
+    def limits(self) -> Limits:
+        max_in_memory = MAX_IN_MEMORY if self.max_in_memory_gb is None else int(self.max_in_memory_gb * 1e9)
+        piece = None if self.piece_limit_gb is None else int(self.piece_limit_gb * 1e9)
+        return Limits(memory_limit_bytes(self.memory_limit_gb), max_in_memory, piece)
+
+    @property
+    def named_reference(self) -> bool:
+        return self.reference is not None or self.hf_config is not None
+
+
+@dataclass
+class _Subject:
+    """The file and what it says of itself: its source, recorded RoPE configuration, rotary slices, caches."""
+
+    mf: ModelFile
+    source: str | None
+    preset: object = None  # metadata.PresetInfo
+    hf_info: object = None  # metadata.HFInfo
+    example: object = None  # the example export_module recorded
+    notes: list[str] = field(default_factory=list)
+    dtype: str = "fp32"
+    rope: object = None
+    position_limit: int | None = None
+    slices: list = field(default_factory=list)
+    ropes: list = field(default_factory=list)
+    stored_rows: list[int] = field(default_factory=list)
+    tables: object = None
+
+
+def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] = RUNNERS,
+          options: CheckOptions | None = None, *, progress=None, **settings) -> CheckReport:
     """Run every runner on the file and compare with its reference (see ``rope_export.check``).
 
-    ``module`` (with ``args``/``kwargs``, the example it was exported with): the PyTorch module a file of
-    ``export_module`` came from, run on every case as the reference (``check.module_reference``).
-    ``precision``: the layer-streamed reference of a transformers causal LM (``references.choose_reference``)."""
-    if precision not in PRECISIONS:
-        raise CheckError(f"unknown reference precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    ``options`` (or its fields as keywords, ``settings``): ``module`` (with ``args``/``kwargs``, the example it was
+    exported with) is the PyTorch module a file of ``export_module`` came from, run on every case as the reference
+    (``check.module_reference``); ``precision``: the layer-streamed reference of a transformers causal LM
+    (``references.choose_reference``)."""
+    options = dataclasses.replace(options or CheckOptions(), **settings)
+    options.validate()
     say = progress or (lambda message: None)
     runners = tuple(runners)
     check_runner_names(runners)
-    if reference is not None and hf_config is not None:
-        raise CheckError("give either --reference OTHER.onnx or --hf CONFIG, not both")
-    limit = memory_limit_bytes(memory_limit_gb)
-    max_in_memory = MAX_IN_MEMORY if max_in_memory_gb is None else int(max_in_memory_gb * 1e9)
-    limits = Limits(limit, max_in_memory, None if piece_limit_gb is None else int(piece_limit_gb * 1e9))
+    limits = options.limits()
     say(f"opening {model if not isinstance(model, onnx.ModelProto) else 'the model'}")
-    mf = ModelFile.open(model)
-    source = file_source(mf)
-    preset = hf_info = None
-    metadata_notes = []
-    try:  # the RoPE configuration and sizes the file records, also used when another reference is named
-        preset = read_preset_info(mf, limit) if source == "preset" else None
-        hf_info = read_hf_info(mf, limit) if source == "transformers" else None
+    subject = _read_subject(ModelFile.open(model), options, limits)
+    ref = _reference(subject, options, limits)
+    say("comparing every row of the stored cos/sin caches")
+    _read_caches(subject)
+    layers = _layers(subject.mf)
+    tol = for_layers(tolerance("block", DTYPES[subject.dtype]), layers)
+    past_end = _past_end_allowed(subject, ref)
+    cases, described = _cases(subject, ref, options, past_end, limits)
+    expected, rule, pytorch_layers = _run_reference(subject, ref, cases, layers, say)
+    compared_outputs = ref.expected_outputs(subject.mf)
+    missing = [o.name for o in subject.mf.outputs if o.name not in compared_outputs]
+    if missing:
+        subject.notes.append(f"outputs not compared (the reference does not produce them): {', '.join(missing)}")
+    reports = [_run_runner(name, f"[{i}/{len(runners)}] {name}: ", subject, ref, cases, expected, compared_outputs,
+                           tol, rule, pytorch_layers, options.plugin_library, limits, say)
+               for i, name in enumerate(runners, 1)]
+    _sweep(subject, reports, runners, options, past_end, limits, say, ref)
+    if subject.mf.external:
+        subject.notes.append(f"weights: {format_bytes(subject.mf.weight_bytes)} in external data, read by each "
+                             "runner from the path in turn")
+    return CheckReport(
+        model=subject.mf.label, reference=ref.label, against=_short(ref), independent=ref.independent,
+        dtype=subject.dtype, tolerance=tol, rule=rule, pytorch_layers=_max_per_layer(pytorch_layers),
+        runners=reports, tables=subject.tables, inputs=described, cases=[c.name for c in cases], notes=subject.notes,
+        preset=subject.preset.preset.name if subject.preset else "",
+        sweep_tolerance=tolerance("op", DTYPES[subject.dtype]), weights=getattr(ref, "weights_source", {}))
+
+
+def _read_subject(mf: ModelFile, options: CheckOptions, limits: Limits) -> _Subject:
+    """The file's source and the RoPE configuration and sizes it records (also used when another reference is
+    named: then metadata that cannot be read is a note, not an error)."""
+    subject = _Subject(mf, file_source(mf))
+    try:
+        subject.preset = read_preset_info(mf, limits.memory) if subject.source == "preset" else None
+        subject.hf_info = read_hf_info(mf, limits.memory) if subject.source == "transformers" else None
     except CheckError as exc:
-        if reference is None and hf_config is None:
+        if not options.named_reference:
             raise
-        metadata_notes.append(f"the file's metadata is not used: {exc}")
-    example = read_example(mf) if not inputs else None
-    if module is not None:
-        if reference is not None or hf_config is not None:
-            raise CheckError("give module= or --reference/--hf, not both")
-        ref, notes = ModuleReference(mf, module, args, kwargs), []
+        subject.notes.append(f"the file's metadata is not used: {exc}")
+    subject.example = read_example(mf) if not options.inputs else None
+    recorded = subject.preset or subject.hf_info
+    subject.dtype = recorded.dtype if recorded else _file_dtype(mf)
+    subject.rope = recorded.rope if recorded else None
+    subject.position_limit = recorded.position_limit if recorded else None
+    return subject
+
+
+def _reference(subject: _Subject, options: CheckOptions, limits: Limits):
+    """The reference the runners are compared with: the module, the recorded example, or the file's own."""
+    mf = subject.mf
+    if options.module is not None:
+        ref, notes = ModuleReference(mf, options.module, options.args, options.kwargs), []
         ref.weight_bytes = mf.weight_bytes
-    elif source == "diffusers" and reference is None and hf_config is None:
+    elif subject.source == "diffusers" and not options.named_reference:
         from rope_export.check.diffusers_reference import DiffusersReference
 
         ref, notes = DiffusersReference(mf), []
         ref.weight_bytes = mf.weight_bytes
-    elif example is not None and source is None and reference is None and hf_config is None:
-        ref, notes = RecordedReference(mf, example, limits), []
+    elif subject.example is not None and subject.source is None and not options.named_reference:
+        ref, notes = RecordedReference(mf, subject.example, limits), []
         ref.weight_bytes = mf.weight_bytes
     else:
-        ref, notes = choose_reference(mf, source=source, preset=preset, hf_info=hf_info, reference_path=reference,
-                                      hf_config=hf_config, weights=None if weights is None else str(weights),
-                                      seed=seed, random_weights=random_weights, reference_block=reference_block,
-                                      precision=precision, limits=limits)
-    notes = metadata_notes + notes
+        ref, notes = choose_reference(
+            mf, source=subject.source, preset=subject.preset, hf_info=subject.hf_info,
+            reference_path=options.reference, hf_config=options.hf_config,
+            weights=None if options.weights is None else str(options.weights), seed=options.seed,
+            random_weights=options.random_weights, reference_block=options.reference_block,
+            precision=options.precision, limits=limits)
+    subject.notes += notes
     if mf.contrib_ops:
-        notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest of the "
-                     "graph, onnxruntime's session creation checks them; onnx.reference, the CPU twin and TensorRT "
-                     "have no kernels for them")
-    dtype = (preset or hf_info).dtype if (preset or hf_info) else _file_dtype(mf)
-    layers = _layers(mf)
-    tol = for_layers(tolerance("block", DTYPES[dtype]), layers)
-    rope = preset.rope if preset else (hf_info.rope if hf_info else None)
-    position_limit = preset.position_limit if preset else (hf_info.position_limit if hf_info else None)
-    position_limit = position_limit or ref.position_limit
+        subject.notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest "
+                             "of the graph, onnxruntime's session creation checks them; onnx.reference, the CPU twin "
+                             "and TensorRT have no kernels for them")
+    subject.position_limit = subject.position_limit or ref.position_limit
+    return ref
 
-    slices, slice_notes = rotary_slices(mf)
-    notes += slice_notes
-    stored_rows = [int(mf.initializer(s.tables["cos"]).dims[0]) for s in slices if s.tables]
+
+def _read_caches(subject: _Subject) -> None:
+    """The rotary slices and every row of their stored cos/sin caches, compared with the RoPE configuration."""
+    mf, hf_info = subject.mf, subject.hf_info
+    subject.slices, slice_notes = rotary_slices(mf)
+    subject.notes += slice_notes
+    rows = [int(mf.initializer(s.tables["cos"]).dims[0]) for s in subject.slices if s.tables]
     # per-token caches cut from a table (Meta's freqs_cis): the positions it has rows for
-    stored_rows += [s.table_rows for s in slices if not s.tables and not s.chosen.position_ids and s.table_rows]
-    if position_limit is None and stored_rows:
-        position_limit = min(stored_rows)
-    say("comparing every row of the stored cos/sin caches")
-    ropes, rope_notes = slice_ropes(mf, slices, rope, hf_info.rope_by_layer_type if hf_info else {},
-                                    hf_info.layer_types if hf_info else [])
-    notes += rope_notes
-    tables = cache_rows.check_tables(mf, rope, slices, position_limit, ropes)
+    rows += [s.table_rows for s in subject.slices if not s.tables and not s.chosen.position_ids and s.table_rows]
+    subject.stored_rows = rows
+    if subject.position_limit is None and rows:
+        subject.position_limit = min(rows)
+    subject.ropes, rope_notes = slice_ropes(mf, subject.slices, subject.rope,
+                                            hf_info.rope_by_layer_type if hf_info else {},
+                                            hf_info.layer_types if hf_info else [])
+    subject.notes += rope_notes
+    subject.tables = cache_rows.check_tables(mf, subject.rope, subject.slices, subject.position_limit, subject.ropes)
 
-    past_end = not _raw_positions(mf) and (
+
+def _past_end_allowed(subject: _Subject, ref) -> bool:
+    """Whether cases may hold positions past the file's range (its rotary nodes pass such tokens through)."""
+    preset = subject.preset
+    past_end = not _raw_positions(subject.mf) and (
         (preset is not None and not preset.rope.seq_len_dependent)
-        or (source is None and bool(stored_rows) and all(s.tables for s in slices)))
+        or (subject.source is None and bool(subject.stored_rows) and all(s.tables for s in subject.slices)))
     if past_end and isinstance(ref, (ModuleReference, OnnxFileReference)):
-        past_end = False  # the file passes such tokens through; a module or plain export indexes its tables with them
-        notes.append(f"no case past the end of the positions: the reference ({ref.label}) has no pass-through for "
-                     "them")
+        subject.notes.append(f"no case past the end of the positions: the reference ({ref.label}) has no "
+                             "pass-through for them")  # a module or plain export indexes its tables with them
+        return False
+    return past_end
+
+
+def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits: Limits) -> tuple[list, str]:
+    """The inputs every runner and the reference compute: the user's feeds, or stress cases sized by the flags,
+    the file's metadata and the defaults; plus the example export_module recorded."""
+    mf, hf_info, rope = subject.mf, subject.hf_info, subject.rope
     vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
-    positions_in = tuple(dict.fromkeys(s.name for sl in slices for s in sl.position_inputs if len(s.dims or ()) == 2))
-    plan = InputPlan(**{k: v for k, v in dict(batch=batch, seq=seq, past=past, long_seq=long_seq).items()
-                        if v is not None}, position_limit=position_limit, past_end_allowed=past_end,
+    positions_in = tuple(dict.fromkeys(s.name for sl in subject.slices for s in sl.position_inputs
+                                       if len(s.dims or ()) == 2))
+    sizes = {k: v for k, v in dict(batch=options.batch, seq=options.seq, past=options.past,
+                                   long_seq=options.long_seq).items() if v is not None}
+    plan = InputPlan(**sizes, position_limit=subject.position_limit, past_end_allowed=past_end,
                      vocab=vocab if isinstance(vocab, int) else None, position_inputs=positions_in,
                      original_context=rope.original_max_position_embeddings if rope is not None else None)
     for name in ("batch", "seq", "long_seq"):
@@ -162,111 +253,107 @@ def check(
             raise CheckError(f"--{name.replace('_', '-')} must be at least 1")
     if plan.past < 0:
         raise CheckError("--past must be 0 or more")
-    if inputs:
-        cases, described = user_cases(list(inputs), mf), f"the user's feeds ({', '.join(map(str, inputs))})"
+    if options.inputs:
+        cases = user_cases(list(options.inputs), mf)
+        described = f"the user's feeds ({', '.join(map(str, options.inputs))})"
     elif hasattr(ref, "cases"):  # a reference with inputs of its own (a diffusers denoiser's latent sizes)
         cases, described = ref.cases(mf)
     else:
-        cases, case_notes = stress_cases(mf, plan, limit)
-        notes += case_notes
+        cases, case_notes = stress_cases(mf, plan, limits.memory)
+        subject.notes += case_notes
         described = describe_plan(plan)
-    if example is not None:  # the example export_module ran the module on: its eager outputs are in the file
-        cases.append(example.case())
-        described += f"; and the example recorded at export (case {example.case().name})"
-    if source == "transformers" and plan.vocab is None and not inputs:
-        notes.append("the vocabulary size was not found; token ids are drawn below 2")
+    if subject.example is not None:  # the example export_module ran the module on: its eager outputs are in the file
+        cases.append(subject.example.case())
+        described += f"; and the example recorded at export (case {subject.example.case().name})"
+    if subject.source == "transformers" and plan.vocab is None and not options.inputs:
+        subject.notes.append("the vocabulary size was not found; token ids are drawn below 2")
+    return cases, described
 
-    started = time.perf_counter()
+
+def _run_reference(subject: _Subject, ref, cases: list, layers: int, say):
+    """The reference's outputs for every case; with a higher-precision reference also the rule against PyTorch's
+    own error and PyTorch's error per decoder layer (whose outputs the file then also gives)."""
     try:
         expected = ref.outputs(cases, say)
     except CheckError:
         raise
     except Exception as exc:  # noqa: BLE001 - the reference refusing these inputs is the file's problem
         raise CheckError(f"the reference ({ref.label}) cannot run the inputs: {first_line(exc)}") from None
-    say(f"reference done in {time.perf_counter() - started:.1f} s")
     measured = bool(getattr(ref, "streams", lambda: False)())  # after the run: a stream that could not run fell back
-    rule = against_pytorch(DTYPES[dtype]) if measured else None
-    notes += [ref.fallback_note] if getattr(ref, "fallback_note", "") else []
+    rule = against_pytorch(DTYPES[subject.dtype]) if measured else None
+    subject.notes += [ref.fallback_note] if getattr(ref, "fallback_note", "") else []
     if measured:
-        notes.append(f"pass rule, measured: {rule.describe()} (rope_export.op.tolerances.against_pytorch)")
+        subject.notes.append(f"pass rule, measured: {rule.describe()} (rope_export.op.tolerances.against_pytorch)")
     elif layers > 1:
-        notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.op.tolerances.for_layers): no "
-                     "higher-precision reference for this file")
-    layer_names, pytorch_layers = [], None
+        subject.notes.append(f"tolerance: one block's times sqrt({layers} layers) (rope_export.op.tolerances."
+                             "for_layers): no higher-precision reference for this file")
+    pytorch_layers = None
     if measured and ref.reference_states:
+        mf = subject.mf
         layer_names, why = layer_outputs(mf.proto.graph, len(ref.reference_states[0]))
         if layer_names:
             mf.add_layer_outputs(layer_names, next(s.elem_type for s in mf.outputs if s.name == "logits"))
             pytorch_layers = pytorch_layer_errors(ref.reference_states, ref.pytorch_states)
         else:
-            notes.append(f"no error per decoder layer: {why}")
-    free_memory(mf.weight_bytes)
-    compared_outputs = ref.expected_outputs(mf)
-    missing = [o.name for o in mf.outputs if o.name not in compared_outputs]
-    if missing:
-        notes.append(f"outputs not compared (the reference does not produce them): {', '.join(missing)}")
+            subject.notes.append(f"no error per decoder layer: {why}")
+    free_memory(subject.mf.weight_bytes)
+    return expected, rule, pytorch_layers
 
-    reports = []
-    for i, name in enumerate(runners, 1):
-        if name == ref.golden_runner:
-            reports.append(RunnerReport(name, "golden", "the reference the other runners are compared with"))
-            continue
-        say(f"[{i}/{len(runners)}] {name}: preparing")
-        try:
-            runner, note = make_runner(name, mf, plugin_library=plugin_library, cases=cases, limits=limits)
-        except Skip as skip:
-            reports.append(RunnerReport(name, "skipped", str(skip)))
-            continue
-        except Exception as exc:  # noqa: BLE001 - a runner that cannot load the file fails, named
-            reports.append(RunnerReport(name, "FAIL", first_line(exc)))
-            continue
-        say(f"[{i}/{len(runners)}] {name}: running {len(cases)} cases{note}")
-        started = time.perf_counter()
-        try:
-            prefix = f"[{i}/{len(runners)}] {name}: "
-            actual, latency = run_cases(runner, cases, lambda message, prefix=prefix: say(prefix + message))
-        except Skip as skip:  # a piece onnxruntime has no kernel for
-            reports.append(RunnerReport(name, "skipped", str(skip)))
-            continue
-        except Exception as exc:  # noqa: BLE001 - a runner that crashes is a failed comparison, named
-            reports.append(RunnerReport(name, "FAIL", first_line(exc)))
-            continue
-        finally:
-            if isinstance(runner, StreamedRunner):
-                note = note.rstrip(")") + f"; {format_bytes(runner.kept_bytes)} of values kept between pieces)"
-            del runner
-            mf.release()
-            free_memory(mf.weight_bytes)
-        say(f"[{i}/{len(runners)}] {name}: done in {time.perf_counter() - started:.1f} s")
-        pytorch = ref.pytorch_outputs if measured else None
-        reports.append(_compare(name, note, latency, cases, actual, expected, compared_outputs, tol, pytorch, rule))
-        if pytorch_layers is not None:
-            reports[-1].layers = compare_layers(name, actual, [c.name for c in cases], ref.reference_states,
-                                                pytorch_layers, rule)
 
-    if sweep and slices and getattr(ref, "sweep_note", ""):
-        notes.append(ref.sweep_note)
-    elif sweep and slices:
+def _run_runner(name, prefix, subject: _Subject, ref, cases, expected, outputs, tol, rule, pytorch_layers,
+                plugin_library, limits: Limits, say) -> RunnerReport:
+    """One runner on every case, freed after, compared with the reference; skipped or failed with the reason."""
+    mf = subject.mf
+    if name == ref.golden_runner:
+        return RunnerReport(name, "golden", "the reference the other runners are compared with")
+    say(prefix + "preparing")
+    try:
+        runner, note = make_runner(name, mf, plugin_library=plugin_library, cases=cases, limits=limits)
+    except Skip as skip:
+        return RunnerReport(name, "skipped", str(skip))
+    except Exception as exc:  # noqa: BLE001 - a runner that cannot load the file fails, named
+        return RunnerReport(name, "FAIL", first_line(exc))
+    say(f"{prefix}running {len(cases)} cases{note}")
+    try:
+        actual, latency = run_cases(runner, cases, lambda message: say(prefix + message))
+    except Skip as skip:  # a piece onnxruntime has no kernel for
+        return RunnerReport(name, "skipped", str(skip))
+    except Exception as exc:  # noqa: BLE001 - a runner that crashes is a failed comparison, named
+        return RunnerReport(name, "FAIL", first_line(exc))
+    finally:
+        if isinstance(runner, StreamedRunner):
+            note = note.rstrip(")") + f"; {format_bytes(runner.kept_bytes)} of values kept between pieces)"
+        del runner
+        mf.release()
+        free_memory(mf.weight_bytes)
+    say(f"{prefix}comparing with the reference")
+    pytorch = ref.pytorch_outputs if rule is not None else None
+    report = _compare(name, note, latency, cases, actual, expected, outputs, tol, pytorch, rule)
+    if pytorch_layers is not None:
+        report.layers = compare_layers(name, actual, [c.name for c in cases], ref.reference_states, pytorch_layers,
+                                       rule)
+    return report
+
+
+def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end: bool, limits: Limits, say,
+           ref) -> None:
+    """Each rotary node alone over every position, on every runner; a failed sweep fails its runner (unless the
+    reference says why its nodes cannot run alone: ``sweep_note``)."""
+    if options.sweep and subject.slices and getattr(ref, "sweep_note", ""):
+        subject.notes.append(ref.sweep_note)
+    elif options.sweep and subject.slices:
         results, sweep_notes = cache_rows.sweep(
-            mf, slices, runners, ropes=ropes, position_limit=position_limit, out_of_range_allowed=past_end,
-            plugin_library=plugin_library, max_in_memory=max_in_memory, say=say)
-        notes += sweep_notes
+            subject.mf, subject.slices, runners, ropes=subject.ropes, position_limit=subject.position_limit,
+            out_of_range_allowed=past_end, plugin_library=options.plugin_library,
+            max_in_memory=limits.max_in_memory, say=say)
+        subject.notes += sweep_notes
         for r in reports:
             r.sweep = results.get(r.runner)
             if r.sweep is not None and r.sweep.status == "FAIL":
                 r.status = "FAIL"
-    elif not slices and not tables:
-        notes.append("no rotary node could be run alone (none in the file, or none with static head sizes); the "
-                     "positions are covered by the stress cases only")
-    if mf.external:
-        notes.append(f"weights: {format_bytes(mf.weight_bytes)} in external data, read by each runner from the "
-                     "path in turn")
-    return CheckReport(
-        model=mf.label, reference=ref.label, against=_short(ref), independent=ref.independent, dtype=dtype,
-        tolerance=tol, rule=rule, pytorch_layers=_max_per_layer(pytorch_layers), runners=reports,
-        tables=tables, inputs=described, cases=[c.name for c in cases], notes=notes,
-        preset=preset.preset.name if preset else "", sweep_tolerance=tolerance("op", DTYPES[dtype]),
-        weights=getattr(ref, "weights_source", {}))
+    elif not subject.slices and not subject.tables:
+        subject.notes.append("no rotary node could be run alone (none in the file, or none with static head sizes); "
+                             "the positions are covered by the stress cases only")
 
 
 def _layers(mf: ModelFile) -> int:

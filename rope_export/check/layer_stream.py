@@ -49,7 +49,7 @@ class StreamedOutputs:
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    from rope_export.runtimes.runners import to_numpy
+    from rope_export.runtimes.contract_runners import to_numpy
 
     return to_numpy(tensor.detach())
 
@@ -99,7 +99,7 @@ def _new_cache(case: _Case, dtype: torch.dtype):
 
 class _Precision:
     def __init__(self, model: nn.Module, dtype: torch.dtype, feeds: list[dict], past_layers: list[int]):
-        from rope_export.runtimes.runners import to_torch
+        from rope_export.runtimes.contract_runners import to_torch
 
         self.model, self.dtype = model, dtype
         self.prefix, self.layers = decoder_layers(model)

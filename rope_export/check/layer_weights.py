@@ -36,7 +36,7 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def skeleton(auto_class, config, dtype: torch.dtype, options: dict) -> nn.Module:
     """The model with every parameter on the meta device (buffers real), as ``build_causal_lm`` constructs it."""
-    from rope_export.exporting.checkpoints import default_dtype, parameters_on_meta
+    from rope_export.hf.checkpoints import default_dtype, parameters_on_meta
 
     with parameters_on_meta(), default_dtype(dtype):
         model = auto_class.from_config(config, **{"attn_implementation": "eager", **options, "dtype": dtype})
@@ -53,40 +53,20 @@ class CheckpointWeights:
     """Tensors read from a safetensors checkpoint by name (see the module doc)."""
 
     def __init__(self, folder: str | Path, model: nn.Module):
-        from rope_export.exporting.checkpoints import _check_extents, _checkpoint_plan, _mismatch, _without_ignored
+        from rope_export.hf.checkpoint_files import CheckpointError, CheckpointReader
 
         try:
-            plan = _without_ignored(model, _checkpoint_plan(Path(folder)))
-        except ValueError as exc:
-            raise CheckError(str(exc)) from None
-        mismatch = _mismatch(model, plan)
-        if mismatch:
-            raise CheckError(f"the checkpoint in {folder} does not name the model's tensors one to one ({mismatch}), "
-                             "so it cannot be read a layer at a time")
-        if any(entry.start < 0 for entry in plan.values()):
-            raise CheckError(f"{folder} holds PyTorch .bin weights; reading a layer at a time needs safetensors")
-        _check_extents(plan)
-        self.plan = plan
+            self.reader = CheckpointReader(folder, model)
+        except CheckpointError as exc:
+            raise CheckError(f"{exc}, so it cannot be read a layer at a time") from None
         self.prefix, layers = decoder_layers(model)
         self.count = len(layers)
 
-    def _read(self, names) -> dict[str, torch.Tensor]:
-        from rope_export.exporting.checkpoints import _bytes_of, _read_into
-
-        out = {}
-        for name in names:
-            entry = self.plan[name]
-            tensor = torch.empty(tuple(entry.shape), dtype=entry.dtype)
-            with open(entry.file, "rb", buffering=0) as f:
-                _read_into(f, entry.start, _bytes_of(tensor), Path(entry.file))
-            out[name] = tensor
-        return out
-
     def outside(self) -> dict[str, torch.Tensor]:
-        return self._read([n for n in self.plan if _layer_index(n, self.prefix) is None])
+        return self.reader.read([n for n in self.reader.names if _layer_index(n, self.prefix) is None])
 
     def layer(self, index: int) -> dict[str, torch.Tensor]:
-        return self._read([n for n in self.plan if _layer_index(n, self.prefix) == index])
+        return self.reader.read([n for n in self.reader.names if _layer_index(n, self.prefix) == index])
 
 
 class RandomWeights:
@@ -143,7 +123,7 @@ class RandomWeights:
         self._made = {k: v for k, v in self._made.items() if id(v[1]) not in freed}
 
     def _first_walk(self) -> None:
-        from rope_export.exporting.checkpoints import default_dtype
+        from rope_export.hf.checkpoints import default_dtype
 
         saved = torch.get_rng_state()
         torch.manual_seed(self.seed)
@@ -174,7 +154,7 @@ class RandomWeights:
         return self._outside
 
     def layer(self, index: int) -> dict[str, torch.Tensor]:
-        from rope_export.exporting.checkpoints import default_dtype
+        from rope_export.hf.checkpoints import default_dtype
 
         if self._outside is None:
             self._first_walk()

@@ -1,7 +1,7 @@
 """PyTorch as the reference of a file ``export_module`` wrote (no preset, no transformers config).
 
 * the example ``export_module`` recorded (``rope_export.module_example``: the example inputs and the
-  module's eager outputs for them, at most ``module_export.EXAMPLE_LIMIT`` bytes): one more case,
+  module's eager outputs for them, at most ``blocks.export.EXAMPLE_LIMIT`` bytes): one more case,
   ``recorded-example``, on which every runner is compared with PyTorch; the other cases are compared
   with onnx-reference (the runners with each other);
 * ``check(file, module=..., args=...)``: the module itself computes every case. The file's inputs are
@@ -115,7 +115,7 @@ class ModuleReference(Reference):
         import torch
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
-        from rope_export.runtimes.runners import to_torch
+        from rope_export.runtimes.contract_runners import to_torch
 
         tensors = iter(to_torch(feeds[n]) for n in self.input_names)
         if self.structure is None:
@@ -128,7 +128,7 @@ class ModuleReference(Reference):
         import torch
         from torch.utils._pytree import tree_leaves
 
-        from rope_export.runtimes.runners import to_numpy
+        from rope_export.runtimes.contract_runners import to_numpy
 
         say(f"running {self.label} on {len(cases)} cases")
         results = []

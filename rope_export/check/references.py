@@ -81,7 +81,7 @@ class PresetReference(Reference):
     def outputs(self, cases, say):
         import torch
 
-        from rope_export.runtimes.runners import to_numpy, to_torch
+        from rope_export.runtimes.contract_runners import to_numpy, to_torch
 
         info = self.info
         say(f"running {self.label} on {len(cases)} cases")
@@ -243,7 +243,7 @@ class TransformersReference(Reference):
         from transformers.cache_utils import DynamicCache
 
         from rope_export.hf.cache_io import returned_cache, with_cache
-        from rope_export.runtimes.runners import to_numpy, to_torch
+        from rope_export.runtimes.contract_runners import to_numpy, to_torch
 
         feeds = {k: to_torch(v) for k, v in case.feeds.items()}
         cache = DynamicCache()
@@ -264,7 +264,7 @@ class TransformersReference(Reference):
 
     def _layer(self, model, case) -> dict[str, np.ndarray]:
         from rope_export import hf
-        from rope_export.runtimes.runners import to_numpy, to_torch
+        from rope_export.runtimes.contract_runners import to_numpy, to_torch
 
         module = hf.AttentionWithCache(model, self.info.layer or 0).eval()
         outs = module(*(to_torch(case.feeds[n]) for n in INPUT_NAMES))

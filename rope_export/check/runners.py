@@ -75,7 +75,7 @@ def _needs_proto(mf: ModelFile, name: str, max_in_memory: int) -> None:
 
 def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, cases=(), limits: Limits = Limits()):
     """(a polygraphy runner, or a StreamedRunner, and a note on how it runs the file), or raise Skip."""
-    from rope_export.runtimes.runners import CpuTwinRunner, OnnxReferenceRunner
+    from rope_export.runtimes.contract_runners import CpuTwinRunner, OnnxReferenceRunner
 
     kinds = _kinds(mf)
     if name in ("onnx-reference", "tensorrt"):
@@ -92,10 +92,10 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
             raise Skip("no rope_export or trt-plugin rotary node for the twin to run (the file was lowered to "
                        "another target)")
         _contrib_skip(mf, name)
-        from rope_export.kernels import plugin
+        from rope_export.kernels import cpu_twin
 
         try:
-            plugin.twin()
+            cpu_twin.twin()
         except (FileNotFoundError, OSError) as exc:
             raise Skip(str(exc)) from None
         _needs_proto(mf, name, limits.max_in_memory)
@@ -145,7 +145,7 @@ def ort_cpu_bytes(mf: ModelFile) -> int:
 def _onnxruntime(mf: ModelFile, name: str, kinds: set[str], limits: Limits):
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
-    from rope_export.runtimes.runners import cuda_available_for_onnxruntime
+    from rope_export.runtimes.contract_runners import cuda_available_for_onnxruntime
 
     if name == "onnxruntime-cuda" and not cuda_available_for_onnxruntime():
         raise Skip("onnxruntime has no CUDA execution provider here (install rope-export[gpu] on a GPU machine)")

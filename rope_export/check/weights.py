@@ -34,7 +34,7 @@ class WeightsChoice:
 
     def to_dict(self) -> dict:
         """For --summary-json: where the reference's weights came from."""
-        from rope_export.exporting.checkpoints import weights_fact
+        from rope_export.hf.checkpoints import weights_fact
 
         return weights_fact(self.folder, self.seed)
 

@@ -1,10 +1,10 @@
 """The ``rope-export`` command line.
 
-Each subcommand lives in the module that implements it, as a ``register(subparsers)`` function
-that adds its parser and sets ``func``; this file only lists those modules, so adding a command
-is adding an entry to ``COMMANDS``. Only the modules of the command being run are imported (torch,
-transformers and onnxruntime take seconds to import): ``rope-export --help`` lists the commands from
-``COMMANDS`` alone.
+Each subcommand has one module in this package (as polygraphy keeps its tools in ``tools/``), with a
+``register(subparsers)`` function that adds its parser and sets ``func``; this file only lists those
+modules, so adding a command is a module here and an entry in ``COMMANDS``. Only the module of the
+command being run is imported, and it imports its libraries when it runs (torch, transformers and
+onnxruntime take seconds to import): ``rope-export --help`` lists the commands from ``COMMANDS`` alone.
 
 It also owns what every command shares at its edge: an error is one line on stderr, never a
 traceback (exit 2 for bad input, 1 for an internal error, with ``--debug`` for the traceback; a
@@ -27,32 +27,31 @@ from collections.abc import Iterator
 
 from rope_export.common.errors import CLIError  # re-exported: the commands raise it
 
-# Every command, in the order of a user's path, with the line `rope-export --help` shows for it (the one
-# place it is written: the registered parsers get it from here) and the modules whose register() build it:
-# the first adds the parser, the others add their options to it.
-COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
+# Every command, in the order of a user's path: the line `rope-export --help` shows for it (the one place it is
+# written: the registered parsers get it from here) and the module of this package that builds its parser and runs
+# it. Every command is registered this way and no other (tests/test_package_structure.py holds it): the module's
+# register(subparsers) adds the parser and sets func; the packages below hold the work, never argparse.
+COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export to ONNX with one rotary node per rotated tensor: a transformers model folder (--hf), "
-               "your own nn.Module (--module) or a preset's attention block",
-               ("rope_export.cli.export_command",)),
-    "lower": ("rewrite the rotary nodes for a runtime: trt-plugin, onnx, ort or decomposed",
-              ("rope_export.passes.cli",)),
+               "your own nn.Module (--module) or a preset's attention block", "rope_export.cli.export"),
+    "lower": ("rewrite the rotary nodes for a runtime: trt-plugin, onnx, ort or decomposed", "rope_export.cli.passes"),
     "check": ("compare an ONNX file with its reference (PyTorch, transformers, another file) on every runner",
-              ("rope_export.check",)),
+              "rope_export.cli.check"),
     "package": ("write what a serving stack loads as it is (an onnxruntime-genai folder, a Triton model "
-                "repository)", ("rope_export.serve.cli",)),
+                "repository)", "rope_export.cli.package"),
     "build": ("build a TensorRT engine from a trt-plugin ONNX file, with the rotary plugin loaded",
-              ("rope_export.runtimes.trt",)),
+              "rope_export.cli.build"),
     "build-plugin": ("build the rotary kernels, their CPU twin and the TensorRT plugin libraries",
-                     ("rope_export.kernels.build",)),
-    "fuse": ("replace decomposed RoPE in any ONNX file by rotary nodes", ("rope_export.passes.cli",)),
-    "presets": ("list the model presets, or show one", ("rope_export.presets",)),
+                     "rope_export.cli.build_plugin"),
+    "fuse": ("replace decomposed RoPE in any ONNX file by rotary nodes", "rope_export.cli.passes"),
+    "presets": ("list the model presets, or show one", "rope_export.cli.presets"),
     "demo": ("export, lower, build, check: the whole product on one preset and a tiny transformers Llama",
-             ("rope_export.cli.demo",)),
+             "rope_export.cli.demo"),
     "bench": ("benchmark RoPE alone, whole blocks, the CPU twin, the GPU path, the kernels' build and this "
-              "command line's start-up", ("rope_export.bench",)),
+              "command line's start-up", "rope_export.cli.bench"),
 }
 # The modules, in registration order (tests narrow it to the commands they use).
-COMMAND_MODULES = list(dict.fromkeys(module for _, modules in COMMANDS.values() for module in modules))
+COMMAND_MODULES = list(dict.fromkeys(module for _, module in COMMANDS.values()))
 DEBUG_ENV = "ROPE_EXPORT_DEBUG"
 # Libraries that log exceptions with their tracebacks (onnx_ir's shape inference does, before our
 # own error says what is wrong); quiet unless --debug.
@@ -118,14 +117,14 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
     parser.add_argument("--debug", action="store_true", help=debug_help)
     parser.add_argument("--verbose", action="store_true", help=verbose_help)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    wanted = COMMAND_MODULES if every else [m for m in COMMAND_MODULES if m in COMMANDS.get(command, ("", ()))[1]]
+    wanted = COMMAND_MODULES if every else [m for m in COMMAND_MODULES if m == COMMANDS.get(command, ("", ""))[1]]
     for name in wanted:
         importlib.import_module(name).register(subparsers)
-    for name, (summary, _modules) in COMMANDS.items():
+    for name, (summary, _module) in COMMANDS.items():
         if name not in subparsers.choices:
             subparsers.add_parser(name, help=summary, add_help=False).set_defaults(func=_not_available)
     listing = {action.dest: action for action in subparsers._choices_actions}
-    for name, (summary, _modules) in COMMANDS.items():  # the one place each line is written
+    for name, (summary, _module) in COMMANDS.items():  # the one place each line is written
         if name in listing:
             listing[name].help = summary
         else:  # a parser added without help= is not listed by argparse until it has a line

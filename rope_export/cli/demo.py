@@ -96,6 +96,7 @@ def _transformers_llama(out: Path, dtype: str, rows: list, step) -> None:
 
 
 def run(args) -> int:
+    from rope_export.common.steps import log_line
     from rope_export.common.tables import console as make_console
     from rope_export.common.tables import print_table
     from rope_export.common.tables import table as make_table
@@ -110,7 +111,7 @@ def run(args) -> int:
     with console.status("starting") as status:
         def step(message: str) -> None:
             status.update(message)
-            console.log(message)
+            log_line(console, message)
 
         step("building the plugin's CPU twin (build/plugins)")
         plugin_build.ensure_built(quiet=True)

@@ -147,12 +147,22 @@ def detail(progress: Callable[[str], None] | None, message: str) -> None:
         show(message)
 
 
+def log_line(console, message: str) -> None:
+    """One progress line on a rich console: the time and the message, nothing else (rich's own ``log`` adds the
+    caller's source location, noise in a user's terminal that stretches log lines past 150 columns)."""
+    from rich.text import Text
+
+    line = Text(time.strftime("[%H:%M:%S] "), style="dim")
+    line.append(message)
+    console.print(line, highlight=False)
+
+
 def console_log(console, status=None) -> StepLog:
     """A StepLog that logs each step on a rich console and shows details in its status line."""
     def show(message: str) -> None:
         if status is not None:
             status.update(message)
-        console.log(message, highlight=False, _stack_offset=3)
+        log_line(console, message)
 
     def show_detail(message: str) -> None:
         if status is not None:

@@ -8,7 +8,7 @@
 * ``exporting``: ``export_diffusers`` (``export_module`` with the family's dynamic axes, then the file
   against diffusers at a latent size never traced);
 * ``components``: a pipeline's VAE decoder and text encoders, exported as they are, rotations counted;
-* ``cli``: the ``export --diffusers`` command.
+* the ``export --diffusers`` command runs in ``rope_export.cli.export_diffusers``.
 
 diffusers is an optional extra (``pip install 'rope-export[diffusers]'``), imported when a model is built.
 """

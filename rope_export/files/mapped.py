@@ -1,7 +1,7 @@
 """Memory the process maps from checkpoint files, and giving its pages back once they are written.
 
-``rope_export.exporting.checkpoint_map.map_safetensors`` makes parameters views of a checkpoint file mapped
-copy-on-write and registers each mapping here. ``file_range`` tells ``tensor_stream`` where in the
+``rope_export.hf.checkpoint_map.map_safetensors`` makes parameters views of a checkpoint file mapped
+copy-on-write and remembers each mapping here. ``file_range`` tells ``tensor_stream`` where in the
 file an unchanged tensor's bytes are, so it copies them from the file (or reads a strided one's range)
 instead of faulting the mapped pages in one by one; a transposed matrix past ``SOURCE_LIMIT`` (lm_head)
 is gathered from the mapped pages themselves, so that no buffer of its size is needed. Once
@@ -28,7 +28,7 @@ _lock = threading.Lock()
 _maps: list[tuple[int, int, weakref.ref, str]] = []  # (address, length, the mmap, its file)
 
 
-def register(mapping: mmap.mmap, path: str) -> None:
+def remember(mapping: mmap.mmap, path: str) -> None:
     """Remember ``mapping`` (an open mmap of the whole file ``path``) so that ``release`` and ``file_range``
     can find it by address."""
     import numpy as np
@@ -40,7 +40,7 @@ def register(mapping: mmap.mmap, path: str) -> None:
 
 
 def file_range(address: int, length: int) -> tuple[str, int] | None:
-    """(file, offset) whose bytes are [address, address + length) of a registered mapping, when no page of that
+    """(file, offset) whose bytes are [address, address + length) of a remembered mapping, when no page of that
     range was changed by the process (then the file holds exactly the memory's bytes); else None."""
     if length <= 0:
         return None
@@ -57,7 +57,7 @@ def file_range(address: int, length: int) -> tuple[str, int] | None:
 
 
 def release(address: int, length: int) -> bool:
-    """Give back the whole pages of [address, address + length) that lie in a registered mapping (clean
+    """Give back the whole pages of [address, address + length) that lie in a remembered mapping (clean
     pages only; see the module doc). True if a mapping held them."""
     if _ADVICE is None or length <= 0:
         return False

@@ -18,8 +18,9 @@ the file. The modules:
 * ``kv_buffer``: the cache as preallocated buffers updated in place (``export_hf(kv_buffer=True)``);
 * ``counting``: the eager rotation count against the file;
 * ``metadata``: the ``rope_export.*`` metadata, and reading it back;
-* ``exporting``: ``export_hf``;
-* ``cli``: the ``--hf`` options of ``rope-export export``.
+* ``checkpoint_files``, ``checkpoints``: checkpoint folders read tensor by tensor, models built with their
+  weights in memory once;
+* ``export``: ``export_hf`` (the command: ``rope_export.cli.export_hf``).
 
 transformers is imported lazily: the package imports without it.
 """
@@ -41,9 +42,8 @@ from rope_export.hf.cache_io import (
     rotary_module,
     with_cache,
 )
-from rope_export.hf.cli import run_hf_export
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.exporting import FALLBACKS, HFExportResult, export_hf
+from rope_export.hf.export import FALLBACKS, HFExportResult, export_hf
 from rope_export.hf.families import HF_FAMILIES, MODEL_TYPES, HFFamily, family_of, rope_config_from_hf, text_config
 from rope_export.hf.hooking import HookState, model_state_kept, rotary_hooked
 from rope_export.hf.loading import build_hf_model, load_hf_config
@@ -81,7 +81,6 @@ __all__ = [
     "rotary_hooked",
     "rotary_module",
     "rotate_half_qk",
-    "run_hf_export",
     "text_config",
     "with_cache",
 ]

@@ -40,7 +40,7 @@ def weights_beside(config: str | os.PathLike) -> Path | None:
 
     Weights there in a form rope-export does not read are refused: exporting random weights instead of
     them would give a file that runs and means nothing."""
-    from rope_export.exporting.checkpoints import (
+    from rope_export.hf.checkpoint_files import (
         CHECKPOINT_FILES,
         CheckpointError,
         checkpoint_files,
@@ -96,11 +96,11 @@ def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: s
     weights (seeded) come only from a config-only folder, a config object (it has no folder), or
     ``random_weights=True``. Attention is transformers' eager implementation and experts use
     ``batched_mm``: both export to plain ONNX ops. The weights are allocated once in ``dtype``
-    (``rope_export.exporting.checkpoints``: no float32 detour, no transient copy).
+    (``rope_export.hf.checkpoints``: no float32 detour, no transient copy).
     """
     import transformers
 
-    from rope_export.exporting.checkpoints import CheckpointError, build_causal_lm
+    from rope_export.hf.checkpoints import CheckpointError, build_causal_lm
 
     if random_weights and weights is not None:
         raise HFExportError("random_weights=True and weights exclude each other: give one")

@@ -22,17 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_export.kernels.plugin import (
-    C_API_VERSION,
-    CUDA_LIBRARY,
-    TwinPlan,
-    _TwinArgs,
-    _TwinPlan,
-    library_path,
-    make_args,
-    to_plan,
-    twin,
-)
+from rope_export.kernels.cpu_twin import C_API_VERSION, TwinPlan, _TwinArgs, _TwinPlan, make_args, to_plan, twin
+from rope_export.kernels.libraries import CUDA_LIBRARY, library_path
 from rope_export.op import reference
 from rope_export.op.contract import RotaryContractError
 
@@ -140,7 +131,7 @@ def _prepared(x, cos_cache, sin_cache, position_ids, out):
     for t in tensors:
         if t.device.type != "cuda" or t.device != device:
             raise ValueError(f"the CUDA kernels take CUDA tensors on one device, got {t.device} beside {device}; "
-                             "CPU tensors run on the CPU twin: rope_export.kernels.plugin.run")
+                             "CPU tensors run on the CPU twin: rope_export.kernels.cpu_twin.run")
     # Contiguous views keep their address (misaligned or not): the kernels choose their path from it.
     x, cos_cache, sin_cache = (t.contiguous() for t in (x, cos_cache, sin_cache))
     position_ids = position_ids.contiguous() if position_ids is not None else None

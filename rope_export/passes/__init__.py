@@ -5,8 +5,9 @@
 * ``fuse(model)``: decomposed RoPE in other exporters' files -> rope_export::RotaryEmbedding.
 
 Each graph rule is a class with ``pattern``, ``check`` and ``rewrite`` in its own module
-(``lower_*.py``, ``fuse_*.py``); the drivers are ``lowering.py`` and ``fusion.py``; the CLI
-(``rope-export lower`` / ``rope-export fuse``) is ``cli.py``.
+(``lower_*.py``, ``fuse_*.py``), built on what the rules of each kind share (``_lower_base.py``,
+``_fuse_base.py``); the drivers are ``lowering.py`` and ``fusion.py``; the commands (``rope-export lower`` /
+``rope-export fuse``) are ``rope_export.cli.passes``.
 """
 
 from rope_export.common.lazy import lazy_getattr
@@ -14,7 +15,7 @@ from rope_export.common.lazy import lazy_getattr
 # Imported on first use (PEP 562): onnxscript's rewriter takes a second to import, and
 # `rope-export lower --help` only needs passes/targets.py.
 _EXPORTS = {
-    "FusionReport": "_fusing", "SiteRecord": "_fusing", "LoweringLog": "_lowering",
+    "FusionReport": "_fuse_base", "SiteRecord": "_fuse_base", "LoweringLog": "_lower_base",
     "PassError": "_model", "check_model": "_model", "load_ir": "_model", "load_model": "_model",
     "save_model": "_model", "fuse": "fusion", "TARGETS": "lowering", "lower": "lowering",
 }

@@ -200,6 +200,46 @@ def trace(value: ir.Value, dup: str | None, rd: int) -> Trace:
     """
     interleaved = dup == "repeat"
     name = {"repeat": "repeat_interleave(c, 2)", "cat": "cat(c, c)"}.get(dup, "")
+    base, steps, inserted, duplicated = _walk_back(value, dup)
+
+    # The source: a Gather of a constant table by position ids, or anything else (per token).
+    table = positions = None
+    producer = base.producer()
+    if producer is not None and _gathered_positions(producer) is not None:
+        table, positions = _gathered_positions(producer)
+    if table is not None:
+        base_rank = rank_of(positions) + 1
+    else:
+        base_rank = rank_of(base)
+        if base_rank is None:
+            raise TraceError("the rank of the cos/sin source is unknown (run shape inference)")
+    head_axis, seq_axis = _head_and_seq_axes(base_rank, inserted)
+
+    if table is not None:
+        if dup is not None and not duplicated:
+            half = _duplicated(table, interleaved)
+            if half is None:
+                raise TraceError(f"the constant cos/sin table is not {name} along its last axis")
+            table = half
+        if table.shape[-1] != rd // 2:
+            raise TraceError(f"the cos/sin table is {table.shape[-1]} wide per pair, the rotation needs {rd // 2}")
+        for node, index in steps:
+            table = _numeric_step(table, node, index)
+        return Trace("gather", head_axis, seq_axis, table=table, positions=positions)
+
+    if dup is not None and not duplicated:
+        if const_array(base) is None:
+            raise TraceError(f"cannot show that cos/sin repeat each frequency twice as {name}")
+        raise TraceError("cos/sin are constants that do not depend on positions; not fused")
+    width = dim(base, -1)
+    if width is not None and width != rd // 2:
+        raise TraceError(f"cos/sin carry {width} frequencies, the rotated part needs {rd // 2}")
+    return Trace("per-token", head_axis, seq_axis, base=base, base_has_batch=base_rank == 3, steps=steps)
+
+
+def _walk_back(value: ir.Value, dup: str | None):
+    """(the source, the elementwise steps in application order, the Unsqueeze axes outermost first, whether the
+    duplication of each frequency was passed): C followed back through Unsqueezes, unary and scalar steps."""
     inserted: list[list[int]] = []  # Unsqueeze axes, outermost first
     steps: list[tuple[ir.Node, int]] = []  # outermost first
     duplicated = False
@@ -237,24 +277,14 @@ def trace(value: ir.Value, dup: str | None, rd: int) -> Trace:
                 inserted.append(extra_axes)
         else:
             break
-    base = v
     steps.reverse()  # application order: from the base outwards
+    return v, steps, inserted, duplicated
 
-    # The source: a Gather of a constant table by position ids, or anything else (per token).
-    table = positions = None
-    producer = base.producer()
-    if producer is not None and _gathered_positions(producer) is not None:
-        table, positions = _gathered_positions(producer)
-    if table is not None:
-        base_rank = rank_of(positions) + 1
-    else:
-        base_rank = rank_of(base)
-        if base_rank is None:
-            raise TraceError("the rank of the cos/sin source is unknown (run shape inference)")
+
+def _head_and_seq_axes(base_rank: int, inserted: list[list[int]]) -> tuple[int, int]:
+    """Where the heads and the sequence are, re-applying the Unsqueezes to the source's labelled axes."""
     if base_rank not in (2, 3):
         raise TraceError(f"cos/sin come from a rank-{base_rank} value; expected per token [B, S, d] or [S, d]")
-
-    # Re-apply the Unsqueezes to labelled axes to find where the heads and the sequence are.
     labels = ["b", "s", "f"] if base_rank == 3 else ["s", "f"]
     for axes in reversed(inserted):
         for a in axes:
@@ -267,27 +297,7 @@ def trace(value: ir.Value, dup: str | None, rd: int) -> Trace:
     head_axis = 3 - seq_axis
     if labels[head_axis] != "1" or labels[0] not in ("b", "1"):
         raise TraceError(f"cos/sin broadcast as {labels}; expected [B, 1, S, d] or [B, S, 1, d]")
-
-    if table is not None:
-        if dup is not None and not duplicated:
-            half = _duplicated(table, interleaved)
-            if half is None:
-                raise TraceError(f"the constant cos/sin table is not {name} along its last axis")
-            table = half
-        if table.shape[-1] != rd // 2:
-            raise TraceError(f"the cos/sin table is {table.shape[-1]} wide per pair, the rotation needs {rd // 2}")
-        for node, index in steps:
-            table = _numeric_step(table, node, index)
-        return Trace("gather", head_axis, seq_axis, table=table, positions=positions)
-
-    if dup is not None and not duplicated:
-        if const_array(base) is None:
-            raise TraceError(f"cannot show that cos/sin repeat each frequency twice as {name}")
-        raise TraceError("cos/sin are constants that do not depend on positions; not fused")
-    width = dim(base, -1)
-    if width is not None and width != rd // 2:
-        raise TraceError(f"cos/sin carry {width} frequencies, the rotated part needs {rd // 2}")
-    return Trace("per-token", head_axis, seq_axis, base=base, base_has_batch=base_rank == 3, steps=steps)
+    return head_axis, seq_axis
 
 
 def _const(op, values, dtype=np.int64) -> ir.Value:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from onnxscript.rewriter import pattern
 
-from rope_export.passes._fusing import FuseRotary, NotASite, rule_variants
+from rope_export.passes._fuse_base import FuseRotary, NotASite, rule_variants
 from rope_export.passes._site import Candidate, climb_to_shape, common_source
 
 JOINS = ("stack", "keepdim", "cat")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from onnxscript.rewriter import pattern
 
-from rope_export.passes._fusing import FuseRotary, NotASite, rule_variants
+from rope_export.passes._fuse_base import FuseRotary, NotASite, rule_variants
 from rope_export.passes._site import Candidate, SkipSite, cast_chain, data_movement_leaves
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from onnxscript.rewriter import pattern
 
 from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
-from rope_export.passes._fusing import STAGES, FusionReport
-from rope_export.passes._lowering import SiteError, read_site
+from rope_export.passes._fuse_base import STAGES, FusionReport
+from rope_export.passes._lower_base import SiteError, read_site
 
 KNOWN_ATTRIBUTES = {"interleaved", "num_heads", "rotary_embedding_dim"}
 FORM = "ai.onnx RotaryEmbedding-23"

@@ -20,7 +20,7 @@ from dataclasses import replace
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from rope_export.passes._fusing import FuseRotary, NotASite, rule_variants
+from rope_export.passes._fuse_base import FuseRotary, NotASite, rule_variants
 from rope_export.passes._site import MOVERS, Candidate
 from rope_export.passes.fuse_pairs import FusePairs
 

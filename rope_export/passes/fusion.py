@@ -38,7 +38,7 @@ from onnxscript.rewriter import pattern
 from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.op.nodes import CONTRACT_KINDS, STANDARD, is_ours, rotary_kind
 from rope_export.passes import evidence, fuse_pairs, fuse_rotation, fuse_standard_op, fuse_strided_writes, validation
-from rope_export.passes._fusing import STAGES, FusionReport
+from rope_export.passes._fuse_base import STAGES, FusionReport
 from rope_export.passes._model import PassError, from_ir, infer_shapes, onnx_opset, remove_unused, to_ir
 from rope_export.passes._probe import Probe
 from rope_export.passes._unit_scale import drop_unit_scales
@@ -76,13 +76,13 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
             f"axes input); convert it first with onnx.version_converter.convert_version(model, {MIN_OPSET})"
         )
     for node in ir.traversal.RecursiveGraphIterator(ir_model.graph):
-        node_kind = rotary_kind(node)  # not ``kind``: that says what to hand back
-        if node_kind is None or not node.outputs[0].name:
+        rotary = rotary_kind(node)
+        if rotary is None or not node.outputs[0].name:
             continue
-        if node_kind in CONTRACT_KINDS:
+        if rotary in CONTRACT_KINDS:
             report.seen(node.outputs[0].name, "already fused", "", f"{node.domain}::{node.op_type}")
         else:
-            hint = " (adopt_standard / --adopt-standard renames it)" if node_kind == STANDARD else ""
+            hint = " (adopt_standard / --adopt-standard renames it)" if rotary == STANDARD else ""
             report.seen(node.outputs[0].name, "other rotary op", f"{node.domain or 'ai.onnx'}::{OP_TYPE}",
                         "kept as is" + hint)
     infer_shapes(ir_model)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from rope_export.passes._lowering import (
+from rope_export.passes._lower_base import (
     LowerRotary,
     RotarySite,
     SiteError,

@@ -1,7 +1,7 @@
 """Lowering rule ``onnx``: the standard ``ai.onnx`` RotaryEmbedding-23.
 
 The standard op needs caches of X's type: with float32 caches under float16/bfloat16 X it runs in
-float32 between two Casts of X, as the contract computes (see ``_lowering.math_dtype``).
+float32 between two Casts of X, as the contract computes (see ``_lower_base.math_dtype``).
 It has no pass-through for out-of-range positions (onnxruntime's CPU kernel rejects them), so by
 default (``guard_positions=True``) the lowering gathers per-token caches itself with clamped
 indices, feeds the op without position_ids, and selects X itself for out-of-range tokens
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from rope_export.passes._lowering import LowerRotary, RotarySite, cast_if, math_dtype
+from rope_export.passes._lower_base import LowerRotary, RotarySite, cast_if, math_dtype
 from rope_export.passes._model import bump_onnx_opset
 
 OPSET = 23

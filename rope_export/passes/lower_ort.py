@@ -3,7 +3,7 @@
 Its schema (onnxruntime ``bert_defs.cc``): inputs ``input`` (3-D [B, S, H*D] or 4-D [B, H, S, D]),
 ``position_ids`` (int64, [B, S] or a 1-element offset), ``cos_cache``/``sin_cache`` 2-D
 [max_pos, rd/2] of X's type (with float32 caches under half X the op runs in float32 between two
-Casts of X, see ``_lowering.math_dtype``); attributes ``interleaved``, ``num_heads`` (required when
+Casts of X, see ``_lower_base.math_dtype``); attributes ``interleaved``, ``num_heads`` (required when
 ``rotary_embedding_dim`` is set), ``rotary_embedding_dim``, ``scale``, ``is_packed_batching``.
 
 Position ids are mandatory and the caches must be 2-D, so per-token caches (the contract's form
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, cast_if, const, math_dtype
+from rope_export.passes._lower_base import LowerRotary, RotarySite, SiteError, cast_if, const, math_dtype
 from rope_export.passes._model import require_onnx_opset
 
 MS_DOMAIN = "com.microsoft"

@@ -37,7 +37,7 @@ from rope_export.op.nodes import (
     is_trt_plugin_node,
     string_attribute,
 )
-from rope_export.passes._lowering import LowerRotary, RotarySite, SiteError, read_site
+from rope_export.passes._lower_base import LowerRotary, RotarySite, SiteError, read_site
 
 ROUTING_ATTRIBUTES = ("plugin_namespace", "plugin_version")
 

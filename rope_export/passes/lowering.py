@@ -11,7 +11,7 @@ from onnxscript.rewriter import pattern
 from rope_export.op.contract import DOMAIN, OP_TYPE
 from rope_export.op.nodes import all_nodes, is_ours
 from rope_export.passes import validation
-from rope_export.passes._lowering import LoweringLog, LowerRotary
+from rope_export.passes._lower_base import LoweringLog, LowerRotary
 from rope_export.passes._model import (
     PassError,
     drop_unused_opsets,

@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from rope_export.op.contract import RotaryAttrs
 from rope_export.op.tolerances import tolerance
-from rope_export.passes._lowering import LoweringLog, SiteError, read_site
+from rope_export.passes._lower_base import LoweringLog, SiteError, read_site
 from rope_export.passes._model import PassError
 from rope_export.passes._probe import Probe, ProbeError
 from rope_export.passes._values import FLOAT_TYPES, const_array, dim, dtype_name, dtype_of

@@ -34,11 +34,9 @@ from rope_export.exporting.core import (
     finish_export,
     graph_proto,
     rename_dynamic_dims,
-    summarize,
 )
 from rope_export.exporting.torch_onnx import quiet_exporter
 from rope_export.files import EXTERNAL_DATA
-from rope_export.files.onnx_files import output_files
 from rope_export.op import contract
 from rope_export.presets import Preset, load_preset
 
@@ -209,42 +207,3 @@ def decomposed_export(preset: Preset, dtype: str = "fp32", decode: bool = False,
             dynamic_shapes=_dynamic_shapes(decode),
         )
     return program.model_proto
-
-
-# -- CLI ---------------------------------------------------------------------------------------
-
-
-def run_preset_export(args) -> int:
-    """``rope-export export [--preset NAME] -o OUT.onnx`` (the parser: ``rope_export.cli.export_command``)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from rope_export.common.steps import cli_steps
-
-    console = Console()
-    with cli_steps(console, f"rope-export export: {args.output}", args.summary_json) as steps:
-        result = export(args.preset, args.output, dtype=args.dtype, opset=args.opset, decode=args.decode,
-                        seed=args.seed, cache_len=args.cache_len, external=args.external_data, progress=steps,
-                        verbose=args.verbose)
-        baseline = None
-        if args.compare_decomposed:
-            steps("exporting the same block with decomposed RoPE, for comparison")
-            baseline = decomposed_export(result.preset, args.dtype, args.decode, args.opset, args.cache_len)
-        steps.add_files(output_files(args.output))
-    summary = summarize(result.model)
-    table = Table(title=f"{result.path} ({result.preset.name}, {args.dtype})")
-    table.add_column("what")
-    table.add_column("value")
-    table.add_row("nodes", str(summary["nodes"]))
-    table.add_row(f"{contract.DOMAIN}::{contract.OP_TYPE} nodes", str(summary["custom_nodes"]))
-    for name, dims in summary["inputs"].items():
-        table.add_row(f"input {name}", str(dims))
-    for name, dims in summary["outputs"].items():
-        table.add_row(f"output {name}", str(dims))
-    table.add_row("opsets", str(summary["opsets"]))
-    if baseline is not None:
-        plain = len(baseline.graph.node)
-        table.add_row("nodes with decomposed RoPE", f"{plain} ({plain - summary['nodes']} fewer with the op, "
-                      f"{summary['nodes'] / plain:.0%} of the plain export)")
-    console.print(table)
-    return 0

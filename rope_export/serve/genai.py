@@ -210,7 +210,7 @@ def _check_output(out: Path) -> None:
 
 def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = None,
                   hf: str | os.PathLike | None = None, weights: str | os.PathLike | None = None,
-                  tokenizer: str | os.PathLike | None = None,
+                  random_weights: bool = False, tokenizer: str | os.PathLike | None = None,
                   target: str = "onnx", dtype: str = "fp32", seed: int = 0, external: str = "auto",
                   kv_buffer: bool = False, progress: Callable[[str], None] | None = None) -> GenaiPackage:
     """Write an onnxruntime-genai folder ``out``: ``model.onnx`` lowered to ``target``, ``genai_config.json``
@@ -220,8 +220,9 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
     ``hf``: a transformers folder or config.json, exported here with an ``attention_mask`` input
     (``kv_buffer``: with preallocated KV buffers updated in place, ``past_present_share_buffer: true``)
     (``weights``: the folder with its weights; default the ``hf`` folder when it holds weights, else
-    random weights, ``seed``). ``tokenizer``: the folder to copy tokenizer files and
-    ``generation_config.json``'s defaults from (default: the ``hf`` folder).
+    random weights, ``seed``; ``random_weights``: random ones even where the folder holds weights).
+    ``tokenizer``: the folder to copy tokenizer files and ``generation_config.json``'s defaults from
+    (default: the ``hf`` folder).
     """
     from rope_export.common.fileio import check_writable, commit_moves, staging_dir
     from rope_export.files import onnx_files
@@ -244,13 +245,16 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
         folder.mkdir()
         if hf is not None:
             exported = stage / "exported.onnx"
-            if weights is None:  # export --hf's rule: the folder's own checkpoint, random weights only without one
+            if random_weights and weights is not None:
+                raise ServeError("--random-weights and --weights exclude each other: give one")
+            if weights is None and not random_weights:  # export --hf's rule: the folder's own checkpoint if any
                 from rope_export.hf.loading import weights_beside
 
                 weights = weights_beside(hf)
             _export(hf, exported, weights=weights, dtype=dtype, seed=seed, kv_buffer=kv_buffer, progress=say)
             if weights is None:
-                notes.append(f"random weights (seed {seed}): {hf} holds no weights and no --weights was given")
+                why = "--random-weights" if random_weights else f"{hf} holds no weights and no --weights was given"
+                notes.append(f"random weights (seed {seed}): {why}")
             model = exported
         say(f"loading {model} (the graph; weights stay on disk)")
         ir_model = onnx_files.load(model)

@@ -194,7 +194,7 @@ def default_name(path: Path) -> str:
 
 
 def _check_plugin(plugin: Path) -> None:
-    from rope_export.kernels.plugin import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY
+    from rope_export.kernels.libraries import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY
 
     if not plugin.is_file():
         raise TritonPackageError(f"plugin library {plugin} not found; build it with `rope-export build-plugin "
@@ -364,36 +364,3 @@ def _stage_tensorrt(onnx_path: Path, proto: onnx.ModelProto, model_dir: Path, en
                           "`rope-export build-plugin --tensorrt-include-dir ...` and run again with --plugin")
     say(f"warning: {packaged.notes[-1]}")
     return notes
-
-
-def register_triton(stacks) -> None:
-    """Add ``triton`` to the sub-commands of ``rope-export package``."""
-    import argparse
-
-    p = stacks.add_parser(
-        "triton", help="write a Triton Inference Server model repository for an ONNX file",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION)
-    p.add_argument("onnx", type=Path, metavar="FILE.onnx", help="an export of rope-export (any lowering)")
-    p.add_argument("-o", "--output", type=Path, required=True, metavar="REPO", help="the model repository folder")
-    p.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="Triton backend (default onnxruntime)")
-    p.add_argument("--name", help="model name, the folder in REPO (default: from the file name)")
-    p.add_argument("--target", choices=ORT_TARGETS, default="onnx",
-                   help="backends onnxruntime/python: the lowering to serve (default onnx)")
-    p.add_argument("--engine", type=Path, help="tensorrt: the engine to serve (default: built here where TensorRT "
-                                              "and a GPU exist)")
-    p.add_argument("--plugin", type=Path, help="tensorrt: the plugin library (default: build/plugins/"
-                                              "librope_export_trt_plugin.so, when built)")
-    p.add_argument("--max-batch", type=int, default=1,
-                   help="max_batch_size: Triton owns the first dim up to N (default 1); 0: no batch dim of Triton's")
-    p.add_argument("--force", action="store_true", help="replace REPO/NAME if it exists")
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    packaged = write_repository(args.onnx, args.output, backend=args.backend, name=args.name, engine=args.engine,
-                                plugin=args.plugin, max_batch=args.max_batch, target=args.target, force=args.force,
-                                say=print)
-    for path in packaged.files:
-        print(f"wrote {path}")
-    print(f"serve it with: {packaged.server_command}")
-    return 0

@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 from rope_export.check.layer_stream import stream_causal_lm  # noqa: E402
 from rope_export.check.layer_weights import CheckpointWeights, RandomWeights, skeleton  # noqa: E402
 from rope_export.check.model_file import CheckError  # noqa: E402
-from rope_export.exporting.checkpoints import build_causal_lm  # noqa: E402
 from rope_export.hf.cache_io import returned_cache, with_cache  # noqa: E402
+from rope_export.hf.checkpoints import build_causal_lm  # noqa: E402
 
 LAYERS = 3
 OPTIONS = dict(attn_implementation="eager")

@@ -58,7 +58,7 @@ def reference_session(data, folder):
     from onnx.reference import ReferenceEvaluator
 
     from rope_export.op.onnx_op import rotary_numpy
-    from rope_export.runtimes.runners import rotary_ops
+    from rope_export.runtimes.contract_runners import rotary_ops
 
     return ReferenceEvaluator(onnx.load_from_string(data), new_ops=rotary_ops(rotary_numpy))
 

@@ -96,7 +96,7 @@ def test_memory_mapped_from_a_checkpoint_is_written_then_given_back_never_losing
     data.tofile(source)
     with open(source, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    mapped.register(mapping, source)
+    mapped.remember(mapping, source)
     weight = torch.frombuffer(mapping, dtype=torch.float32).view(1024, 1024)
     weight[3, 5] = -1.0  # copy-on-write: the process's own page from now on
     expected = data.copy()
@@ -113,7 +113,7 @@ def test_memory_mapped_from_a_checkpoint_is_written_then_given_back_never_losing
     assert not mapped.release(*mapped.extent(expected))  # not mapped from a checkpoint: left alone
     with open(source, "rb") as f:
         clean = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    mapped.register(clean, source)
+    mapped.remember(clean, source)
     unchanged = torch.frombuffer(clean, dtype=torch.float32).view(1024, 1024)
     assert float(unchanged.sum()) == float(data.astype(np.float64).sum())  # every page read
     if Path(mapped._PAGEMAP).exists():
@@ -131,7 +131,7 @@ def test_an_unchanged_checkpoint_tensor_is_copied_or_read_from_its_file(tmp_path
     data.tofile(source)
     with open(source, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    mapped.register(mapping, source)
+    mapped.remember(mapping, source)
     whole = np.frombuffer(mapping, np.float32)
     weight = whole[1000: 1000 + 512 * 1024].reshape(512, 1024)  # mid-file, not page-aligned
     copied = []

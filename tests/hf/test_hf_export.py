@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from rope_export import cli, hf  # noqa: E402
-from rope_export.cli.export_command import wants_hf_export  # noqa: E402
+from rope_export.cli.export import wants_hf_export  # noqa: E402
+from rope_export.cli.export_hf import run_hf_export  # noqa: E402
 from rope_export.exporting import core as export_core  # noqa: E402
 from rope_export.op.contract import DOMAIN, OP_TYPE  # noqa: E402
 from rope_export.op.onnx_op import RotaryEmbedding  # noqa: E402
@@ -453,7 +454,7 @@ def test_cli_exports_a_local_config_with_local_weights(tmp_path, capsys):
     args = export_parser().parse_args(
         ["export", "--hf", str(config_file), "--weights", str(tmp_path / "weights"), "-o", str(out)]
     )
-    assert wants_hf_export(args) and hf.run_hf_export(args) == 0
+    assert wants_hf_export(args) and run_hf_export(args) == 0
     printed = capsys.readouterr().out
     assert "rope_export::RotaryEmbedding nodes" in printed and "qwen2" in printed
     assert re.search(r"rotations in eager transformers\s*│\s*2\b", printed)  # both counts in the summary
@@ -468,11 +469,11 @@ def test_cli_rejects_options_that_do_not_fit():
     parser = export_parser()
     args = parser.parse_args(["export", "--hf", "x.json", "--cache-len", "64", "-o", "x.onnx"])
     with pytest.raises(hf.HFExportError, match="--cache-len does not apply to --hf"):
-        hf.run_hf_export(args)
+        run_hf_export(args)
     args = parser.parse_args(["export", "--weights", "w", "-o", "x.onnx"])
     assert wants_hf_export(args)
     with pytest.raises(hf.HFExportError, match="need --hf"):
-        hf.run_hf_export(args)
+        run_hf_export(args)
     assert not wants_hf_export(parser.parse_args(["export", "--preset", "tiny", "-o", "x.onnx"]))
 
 

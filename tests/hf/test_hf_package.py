@@ -13,7 +13,7 @@ def test_the_public_names_other_modules_use_stay_importable():
 
     for name in ("build_hf_model", "load_hf_config", "read_hf_metadata", "hf_io_names", "hf_example_inputs",
                  "export_hf", "rotary_hooked", "HF_FAMILIES", "MODEL_TYPES", "family_of",
-                 "run_hf_export", "HFExportError", "rotate_half_qk", "FORMS"):
+                 "HFExportError", "rotate_half_qk", "FORMS"):
         assert hasattr(hf, name), name
     assert hf.hf_io_names(2) == (
         ["input_ids", "position_ids", "past_key_values.0.key", "past_key_values.0.value", "past_key_values.1.key",

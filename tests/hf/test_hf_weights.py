@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from rope_export import cli, hf  # noqa: E402
-from rope_export.exporting import checkpoints  # noqa: E402
+from rope_export.hf import checkpoint_files, checkpoints  # noqa: E402
 from rope_export.hf.loading import weights_beside  # noqa: E402
 from rope_export.op.tolerances import tolerance  # noqa: E402
 
@@ -135,7 +135,7 @@ FORMS = {
 @pytest.mark.parametrize("form", list(FORMS))
 def test_every_checkpoint_form_loads_by_rope_exports_own_reader(tmp_path, form):
     folder = FORMS[form](tmp_path)
-    files = checkpoints.checkpoint_files(folder)
+    files = checkpoint_files.checkpoint_files(folder)
     assert (len(files) > 1) == ("sharded" in form) and {f.suffix for f in files} == {
         ".bin" if ".bin" in form else ".safetensors"}
     assert weights_beside(folder) == folder == weights_beside(folder / "config.json")  # a folder or its config.json

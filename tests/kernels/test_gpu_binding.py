@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rope_export.kernels import cuda
-from rope_export.kernels.plugin import CUDA_ARCHS, CUDA_LIBRARY, PluginNotBuiltError, plugin_dir
+from rope_export.kernels.libraries import CUDA_ARCHS, CUDA_LIBRARY, PluginNotBuiltError, plugin_dir
 from rope_export.op import reference
 from rope_export.runtimes.trt import _cuda_device_problem
 
@@ -48,7 +48,7 @@ def test_unavailable_reason_is_one_line():
 @needs_library
 def test_cpu_tensors_are_refused_with_the_fix():
     x = torch.randn(1, 2, 3, 8)
-    refusal = "the CUDA kernels take CUDA tensors .* CPU twin: rope_export.kernels.plugin.run"
+    refusal = "the CUDA kernels take CUDA tensors .* CPU twin: rope_export.kernels.cpu_twin.run"
     with pytest.raises(ValueError, match=refusal):
         cuda.rotary_embedding(x, torch.ones(3, 4), torch.ones(3, 4))
 

@@ -15,9 +15,9 @@ import subprocess
 import pytest
 import torch
 
-from rope_export.kernels import plugin
+from rope_export.kernels import cpu_twin
 from rope_export.kernels.build import ensure_built
-from rope_export.kernels.plugin import PluginField, PluginFieldError
+from rope_export.kernels.cpu_twin import PluginField, PluginFieldError
 from rope_export.op import reference
 from rope_export.op.contract import RotaryAttrs, RotaryContractError
 
@@ -73,7 +73,7 @@ def test_every_tensor_misaligned_in_turn_gives_the_reference_result(dtype, which
         out = _at_offset(torch.zeros_like(t["x"]), offset, keep)
     else:
         t[which] = _at_offset(t[which], offset, keep)
-    got, plan = plugin.run(t["x"], t["cos"], t["sin"], t["position_ids"], interleaved=interleaved, out=out)
+    got, plan = cpu_twin.run(t["x"], t["cos"], t["sin"], t["position_ids"], interleaved=interleaved, out=out)
     # bit for bit: the rotated tokens and the pass-through inf/nan tokens alike
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     if which == "out":
@@ -89,7 +89,7 @@ def test_aligned_inputs_take_the_vector_path():
     t, _ = _inputs(torch.float16, False, gen)
     keep: list = []
     t = {k: _at_offset(v, 0, keep) for k, v in t.items()}
-    _, plan = plugin.run(t["x"], t["cos"], t["sin"], t["position_ids"])
+    _, plan = cpu_twin.run(t["x"], t["cos"], t["sin"], t["position_ids"])
     assert plan.vectorized
 
 
@@ -99,33 +99,33 @@ def test_the_c_abi_refuses_an_element_misaligned_pointer():
     raw = torch.zeros(4 * 48 + 8, dtype=torch.uint8)
     out_raw = torch.full((4 * 48 + 8,), 0xAB, dtype=torch.uint8)
     cos = torch.randn(5, 4)
-    args = plugin._TwinArgs()
+    args = cpu_twin._TwinArgs()
     base = raw.data_ptr() + (-raw.data_ptr()) % 4 + 2  # float32 X at an address that is 2 mod 4
     ctypes.memmove(base, x.data_ptr(), 4 * x.numel())
     args.x, args.cos_cache, args.sin_cache = base, cos.data_ptr(), cos.data_ptr()
     args.out = out_raw.data_ptr() + (-out_raw.data_ptr()) % 4
     args.x_dtype = args.cos_dtype = args.sin_dtype = b"float32"
-    args.x_shape, args.x_rank = plugin._dims(x.shape)
-    args.cos_shape, args.cos_rank = plugin._dims(cos.shape)
-    args.sin_shape, args.sin_rank = plugin._dims(cos.shape)
-    args.cos_shape, args.cos_rank = plugin._dims((1, 3, 4))
-    args.sin_shape, args.sin_rank = plugin._dims((1, 3, 4))
+    args.x_shape, args.x_rank = cpu_twin._dims(x.shape)
+    args.cos_shape, args.cos_rank = cpu_twin._dims(cos.shape)
+    args.sin_shape, args.sin_rank = cpu_twin._dims(cos.shape)
+    args.cos_shape, args.cos_rank = cpu_twin._dims((1, 3, 4))
+    args.sin_shape, args.sin_rank = cpu_twin._dims((1, 3, 4))
     args.position_ids_rank = -1
     args.block_end = -1
     err = ctypes.create_string_buffer(256)
-    assert plugin.twin().rope_twin_run(ctypes.byref(args), None, err, 256) != 0
+    assert cpu_twin.twin().rope_twin_run(ctypes.byref(args), None, err, 256) != 0
     assert err.value.decode().startswith("X's data pointer is not aligned to its 4-byte elements")
     assert bool((out_raw == 0xAB).all())
 
 
 def test_null_pointers_into_the_c_abi_are_refused_not_dereferenced():
-    lib = plugin.twin()
+    lib = cpu_twin.twin()
     err = ctypes.create_string_buffer(256)
-    dims, _ = plugin._dims((2, 4))
-    geo = plugin._Geometry()
+    dims, _ = cpu_twin._dims((2, 4))
+    geo = cpu_twin._Geometry()
     assert lib.rope_resolve_shape(None, 4, dims, 2, dims, 2, dims, 2, 0, 0, 0, ctypes.byref(geo), err, 256) != 0
     assert "null" in err.value.decode()
-    field = (plugin._Field * 1)(plugin._Field(b"num_heads", None, 5, 1))
+    field = (cpu_twin._Field * 1)(cpu_twin._Field(b"num_heads", None, 5, 1))
     assert lib.rope_parse_fields(field, 1, 0, None, err, 256) != 0
     assert lib.rope_serialize_fields(0, 4, 0, None, None, err, 256) != 0
     assert lib.rope_twin_run(None, None, err, 256) != 0
@@ -136,11 +136,11 @@ def test_null_pointers_into_the_c_abi_are_refused_not_dereferenced():
 def test_a_field_count_past_the_bound_is_refused_before_any_field_is_read():
     """A count of 1e9 over a one-field array: a 32 GB reserve and a read past the array (a segfault)
     before the bound; now one message, the one core parse_fields gives the TensorRT glue too."""
-    lib = plugin.twin()
+    lib = cpu_twin.twin()
     err = ctypes.create_string_buffer(256)
     out = (ctypes.c_int64 * 3)()
     one = ctypes.c_int32(4)
-    field = (plugin._Field * 1)(plugin._Field(b"num_heads", ctypes.cast(ctypes.byref(one), ctypes.c_void_p), 5, 1))
+    field = (cpu_twin._Field * 1)(cpu_twin._Field(b"num_heads", ctypes.cast(ctypes.byref(one), ctypes.c_void_p), 5, 1))
     for count in (10**9, 17, 2**31 - 1):
         assert lib.rope_parse_fields(field, count, 0, out, err, 256) != 0
         assert f"malformed field collection ({count} fields; at most 16" in err.value.decode()
@@ -155,12 +155,12 @@ def _huge_view(shape, dtype=torch.float32) -> torch.Tensor:
 def test_shapes_that_overstate_their_buffers_are_refused_even_for_one_block():
     """X [1, 2^20, 1, 2^20] over 4 bytes, run for the first grid block only: that block alone reads
     2^40 elements, a segfault before the buffer sizes were checked."""
-    lib = plugin.twin()
+    lib = cpu_twin.twin()
     x = _huge_view((1, 2**20, 1, 2**20))
     cos = torch.zeros(4, 2**19)
     pos = torch.zeros(1, 1, dtype=torch.long)
     out = torch.zeros(64)
-    args = plugin.make_args(x, cos, cos, pos, out, blocks=(0, 1))
+    args = cpu_twin.make_args(x, cos, cos, pos, out, blocks=(0, 1))
     assert args.x_bytes == 4 and args.cos_bytes == 4 * 4 * 2**19
     err = ctypes.create_string_buffer(256)
     assert lib.rope_twin_run(ctypes.byref(args), None, err, 256) != 0
@@ -176,20 +176,20 @@ def test_each_buffer_one_byte_short_is_refused_naming_it(which, field, label):
     gen = torch.Generator().manual_seed(5)
     t, _ = _inputs(torch.float32, False, gen)
     out = torch.full_like(t["x"], 7.0)
-    args = plugin.make_args(t["x"], t["cos"], t["sin"], t["position_ids"], out)
+    args = cpu_twin.make_args(t["x"], t["cos"], t["sin"], t["position_ids"], out)
     err = ctypes.create_string_buffer(256)
-    assert plugin.twin().rope_twin_run(ctypes.byref(args), None, err, 256) == 0  # exactly their sizes: runs
+    assert cpu_twin.twin().rope_twin_run(ctypes.byref(args), None, err, 256) == 0  # exactly their sizes: runs
     out.fill_(7.0)
     setattr(args, field, getattr(args, field) - 1)
-    assert plugin.twin().rope_twin_run(ctypes.byref(args), None, err, 256) != 0
+    assert cpu_twin.twin().rope_twin_run(ctypes.byref(args), None, err, 256) != 0
     assert err.value.decode().startswith(f"{label} [") and f"(RopeTwinArgs.{field})" in err.value.decode()
     assert bool((out == 7.0).all())  # refused before anything was written
 
 
 def test_a_byte_count_past_64_bits_is_refused():
-    lib = plugin.twin()
+    lib = cpu_twin.twin()
     x, cos = torch.zeros(1, 2, 1, 8), torch.zeros(4, 4)
-    args = plugin.make_args(x, cos, cos, torch.zeros(1, 1, dtype=torch.long), torch.zeros_like(x))
+    args = cpu_twin.make_args(x, cos, cos, torch.zeros(1, 1, dtype=torch.long), torch.zeros_like(x))
     args.cos_shape[0] = args.sin_shape[0] = 2**62  # more rows than torch itself can describe
     err = ctypes.create_string_buffer(256)
     assert lib.rope_twin_run(ctypes.byref(args), None, err, 256) != 0
@@ -211,14 +211,14 @@ def test_ints_that_ctypes_would_wrap_are_refused(kwargs, message):
     x = torch.randn(1, 2, 4 * 8)
     cos = torch.randn(6, 4)
     with pytest.raises(RotaryContractError, match=message):
-        plugin.rotary_embedding(x, cos, cos, torch.zeros(1, 2, dtype=torch.long), **{"num_heads": 4, **kwargs})
+        cpu_twin.rotary_embedding(x, cos, cos, torch.zeros(1, 2, dtype=torch.long), **{"num_heads": 4, **kwargs})
 
 
 def test_huge_dimensions_are_refused_not_wrapped():
     with pytest.raises(RotaryContractError, match="does not fit a 64-bit integer"):
-        plugin.resolve_shape((1, 2, 3, 2**64 + 8), (5, 4), (5, 4), (1, 3), RotaryAttrs())
+        cpu_twin.resolve_shape((1, 2, 3, 2**64 + 8), (5, 4), (5, 4), (1, 3), RotaryAttrs())
     with pytest.raises(RotaryContractError, match="does not fit a 64-bit integer"):
-        plugin.serialize_fields(RotaryAttrs(False, 2**64 + 1, 0))
+        cpu_twin.serialize_fields(RotaryAttrs(False, 2**64 + 1, 0))
 
 
 @pytest.mark.parametrize(
@@ -234,12 +234,12 @@ def test_huge_dimensions_are_refused_not_wrapped():
 def test_the_field_serializer_refuses_what_int32_cannot_hold(attrs, message):
     """Before the fix 2**32 + 64 was serialized as 64 (a silent static_cast to int32)."""
     with pytest.raises(PluginFieldError, match=message):
-        plugin.serialize_fields(attrs)
+        cpu_twin.serialize_fields(attrs)
 
 
 def test_the_largest_int32_values_still_serialize_and_parse_back():
     attrs = RotaryAttrs(True, 2**31 - 1, 2**31 - 2)
-    assert plugin.parse_fields(plugin.serialize_fields(attrs), plugin.RUNTIME) == attrs
+    assert cpu_twin.parse_fields(cpu_twin.serialize_fields(attrs), cpu_twin.RUNTIME) == attrs
 
 
 @pytest.mark.parametrize(
@@ -253,7 +253,7 @@ def test_the_largest_int32_values_still_serialize_and_parse_back():
 def test_field_types_and_lengths_that_do_not_exist_are_refused(field, message):
     """An unknown type name raised KeyError (a traceback) before the fix."""
     with pytest.raises((PluginFieldError, RotaryContractError), match=message):
-        plugin.parse_fields([field])
+        cpu_twin.parse_fields([field])
 
 
 def test_field_constructors_refuse_values_their_type_cannot_hold():

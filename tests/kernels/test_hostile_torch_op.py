@@ -21,7 +21,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from rope_export.kernels import plugin
+from rope_export.kernels import cpu_twin
 from rope_export.kernels.build import ensure_built
 from rope_export.op import reference
 from rope_export.op.contract import DOMAIN, RotaryAttrs
@@ -133,7 +133,7 @@ def test_python_implementations_copy_out_of_range_tokens_bit_for_bit(layout, dty
     numpy_y = ReferenceEvaluator(model, new_ops=[RopeOpRun]).run(None, {"x": x, "pos": POSITIONS})[0]
     _check(numpy_y, x, dtype, layout, out_of_range, torch_y, "NumPy op in onnx.reference")
     ensure_built()
-    twin_y = _to_numpy(plugin.rotary_embedding(_to_torch(x), torch.from_numpy(cos), torch.from_numpy(sin),
+    twin_y = _to_numpy(cpu_twin.rotary_embedding(_to_torch(x), torch.from_numpy(cos), torch.from_numpy(sin),
                                               torch.from_numpy(POSITIONS), **kwargs))
     _check(twin_y, x, dtype, layout, out_of_range, torch_y, "CPU twin")
 

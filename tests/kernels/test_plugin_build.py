@@ -12,7 +12,7 @@ import pytest
 
 from rope_export import cli
 from rope_export.kernels.build import ensure_built, plugins_source_dir
-from rope_export.kernels.plugin import CUDA_ARCHS, CUDA_LIBRARY, TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY
+from rope_export.kernels.libraries import CUDA_ARCHS, CUDA_LIBRARY, TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY
 
 CHECK_SCRIPT = plugins_source_dir() / "cmake" / "nvcc_ptxas_check.cmake"
 # {fp32, fp16, fp16 + fp32 cache, bf16, bf16 + fp32 cache} x {rotate-half, interleaved} x {vector, scalar}
@@ -159,7 +159,7 @@ def test_glue_driven_through_get_creators_passes_its_checks():
 
 def _cli(monkeypatch, argv):
     # Only this commands, whatever else cli.py lists.
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.kernels.build", "rope_export.runtimes.trt"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.cli.build_plugin", "rope_export.cli.build"])
     return cli.main(argv)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from rope_export import cli
 from rope_export.kernels import build as plugin_build
-from rope_export.kernels.plugin import CUDA_ARCHS
+from rope_export.kernels.libraries import CUDA_ARCHS
 
 
 def _fake_smi(tmp_path, monkeypatch, output: str | None) -> None:
@@ -51,7 +51,7 @@ def test_build_plugin_auto_without_a_gpu_configures_no_cuda_and_says_so(tmp_path
 
     monkeypatch.setattr(plugin_build, "build_plugins", fake_build)
     monkeypatch.setattr(plugin_build, "gpu_archs", lambda: [])
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.kernels.build"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.cli.build_plugin"])
     assert cli.main(["build-plugin", "--build-dir", str(tmp_path), "--cuda-archs", "auto"]) == 0
     assert seen["opts"].cuda is False
     assert plugin_build.NO_GPU_NOTE in capsys.readouterr().out

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_export.kernels import plugin
+from rope_export.kernels import cpu_twin
 from rope_export.kernels.build import ensure_built
-from rope_export.kernels.plugin import BUILD, RUNTIME, PluginField, PluginFieldError
+from rope_export.kernels.cpu_twin import BUILD, RUNTIME, PluginField, PluginFieldError
 from rope_export.op import contract
 from rope_export.op.contract import RotaryAttrs, RotaryContractError
 
@@ -81,24 +81,24 @@ def rotary_shapes(draw):
 def test_cpp_shape_rules_agree_with_contract(case):
     x, cos, sin, pos, attrs = case
     expected = _outcome(contract.resolve_shape, x, cos, sin, pos, attrs)
-    got = _outcome(plugin.resolve_shape, x, cos, sin, pos, attrs)
+    got = _outcome(cpu_twin.resolve_shape, x, cos, sin, pos, attrs)
     assert got == expected
 
 
 def test_shape_rules_cover_both_outcomes():
     # The property above is only as good as its cases: valid and invalid ones both occur.
-    ok = plugin.resolve_shape((2, 8, 5, 64), (16, 32), (16, 32), (2, 5), RotaryAttrs(False, 0, 0))
+    ok = cpu_twin.resolve_shape((2, 8, 5, 64), (16, 32), (16, 32), (2, 5), RotaryAttrs(False, 0, 0))
     assert ok == contract.RotaryShape(2, 5, 8, 64, 64, "bhsd", 16)
     with pytest.raises(RotaryContractError, match="rotary_embedding_dim=66 is larger than head_dim=64"):
-        plugin.resolve_shape((2, 8, 5, 64), (16, 33), (16, 33), (2, 5), RotaryAttrs(False, 0, 66))
+        cpu_twin.resolve_shape((2, 8, 5, 64), (16, 33), (16, 33), (2, 5), RotaryAttrs(False, 0, 66))
 
 
 def test_cpp_shape_rules_reject_what_the_kernels_cannot_address():
     big = 1 << 40
     with pytest.raises(RotaryContractError, match="too many elements"):
-        plugin.resolve_shape((big, big, 8, 64), (big, 8, 32), (big, 8, 32), None, RotaryAttrs())
+        cpu_twin.resolve_shape((big, big, 8, 64), (big, 8, 32), (big, 8, 32), None, RotaryAttrs())
     with pytest.raises(RotaryContractError, match="negative or unknown dimension"):
-        plugin.resolve_shape((1, -1, 8, 64), (1, 8, 32), (1, 8, 32), None, RotaryAttrs())
+        cpu_twin.resolve_shape((1, -1, 8, 64), (1, 8, 32), (1, 8, 32), None, RotaryAttrs())
 
 
 @settings(max_examples=100, deadline=None)
@@ -117,7 +117,7 @@ def test_rank_checks_are_necessary_conditions_of_the_contract(case):
 def _check_ranks(x_rank, cos_rank, sin_rank, pos_rank, attrs):
     """The C++ rank check's message, or None when it passes."""
     try:
-        plugin.check_ranks(x_rank, cos_rank, sin_rank, None if pos_rank < 0 else pos_rank, attrs)
+        cpu_twin.check_ranks(x_rank, cos_rank, sin_rank, None if pos_rank < 0 else pos_rank, attrs)
     except RotaryContractError as exc:
         return str(exc)
     return None
@@ -136,7 +136,7 @@ NAMES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8"]
 
 def test_cpp_dtype_rules_agree_with_contract():
     for x, cache, pos in itertools.product(NAMES, NAMES, [None, *NAMES]):
-        assert _outcome(plugin.check_dtypes, x, cache, pos) == _outcome(contract.check_dtypes, x, cache, pos)
+        assert _outcome(cpu_twin.check_dtypes, x, cache, pos) == _outcome(contract.check_dtypes, x, cache, pos)
 
 
 def _contract_allows(dtypes: list[str]) -> bool:
@@ -156,26 +156,26 @@ def test_format_combinations_are_exactly_the_contract(nb_inputs):
         dtypes = list(dtypes)
         linear = [True] * len(dtypes)
         # TensorRT asks position by position; a combination is usable when every answer is yes.
-        accepted = all(plugin.supports_combination(p, dtypes, linear, nb_inputs, 1) for p in range(len(dtypes)))
+        accepted = all(cpu_twin.supports_combination(p, dtypes, linear, nb_inputs, 1) for p in range(len(dtypes)))
         assert accepted == _contract_allows(dtypes), dtypes
     good = ["float16", "float32", "float32"] + ["int64"] * (nb_inputs == 4) + ["float16"]
     for p in range(len(good)):
         non_linear = [True] * len(good)
         non_linear[p] = False
-        assert not plugin.supports_combination(p, good, non_linear, nb_inputs, 1)
-    assert not plugin.supports_combination(len(good), good, [True] * len(good), nb_inputs, 1)
-    assert not plugin.supports_combination(0, good, [True] * len(good), nb_inputs, 2)
+        assert not cpu_twin.supports_combination(p, good, non_linear, nb_inputs, 1)
+    assert not cpu_twin.supports_combination(len(good), good, [True] * len(good), nb_inputs, 1)
+    assert not cpu_twin.supports_combination(0, good, [True] * len(good), nb_inputs, 2)
 
 
 def test_output_dtype_follows_x_and_rejects_like_the_contract():
-    assert plugin.output_dtype(["bfloat16", "float32", "float32", "int64"]) == "bfloat16"
-    assert plugin.output_dtype(["float16", "float16", "float16"]) == "float16"
+    assert cpu_twin.output_dtype(["bfloat16", "float32", "float32", "int64"]) == "bfloat16"
+    assert cpu_twin.output_dtype(["float16", "float16", "float16"]) == "float16"
     with pytest.raises(RotaryContractError, match=r"position_ids must be int64, got int32; cast them with \.long\(\)"):
-        plugin.output_dtype(["float16", "float16", "float16", "int32"])
+        cpu_twin.output_dtype(["float16", "float16", "float16", "int32"])
     with pytest.raises(RotaryContractError, match="must have the same dtype"):
-        plugin.output_dtype(["float16", "float16", "float32"])
+        cpu_twin.output_dtype(["float16", "float16", "float32"])
     with pytest.raises(RotaryContractError, match="takes 3 inputs"):
-        plugin.output_dtype(["float16", "float16"])
+        cpu_twin.output_dtype(["float16", "float16"])
 
 
 # --- plugin fields ---------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def test_output_dtype_follows_x_and_rejects_like_the_contract():
 
 def test_identity_matches_the_contract():
     # The name is the trt-plugin op type (one no TensorRT importer claims), not the contract's op type.
-    name, version, namespace = plugin.plugin_identity()
+    name, version, namespace = cpu_twin.plugin_identity()
     assert (version, namespace) == (str(contract.OP_VERSION), contract.DOMAIN)
     assert name != contract.OP_TYPE and name.endswith(contract.OP_TYPE)
 
@@ -191,7 +191,7 @@ def test_identity_matches_the_contract():
 def test_the_trt_plugin_lowering_targets_this_plugin():
     lowering = pytest.importorskip("rope_export.passes.lower_trt_plugin")
     expected = (lowering.PLUGIN_NAME, lowering.PLUGIN_VERSION, lowering.PLUGIN_NAMESPACE)
-    assert plugin.plugin_identity() == expected
+    assert cpu_twin.plugin_identity() == expected
 
 
 def test_fields_from_the_onnx_parser_are_accepted():
@@ -203,16 +203,16 @@ def test_fields_from_the_onnx_parser_are_accepted():
         PluginField.string("plugin_namespace", "rope_export"),
         PluginField.string("plugin_version", "1"),
     ]
-    assert plugin.parse_fields(fields, BUILD) == RotaryAttrs(True, 32, 64)
-    assert plugin.parse_fields(fields, RUNTIME) == RotaryAttrs(True, 32, 64)
-    assert plugin.parse_fields([PluginField.int64("num_heads", 8)], BUILD) == RotaryAttrs(False, 8, 0)
+    assert cpu_twin.parse_fields(fields, BUILD) == RotaryAttrs(True, 32, 64)
+    assert cpu_twin.parse_fields(fields, RUNTIME) == RotaryAttrs(True, 32, 64)
+    assert cpu_twin.parse_fields([PluginField.int64("num_heads", 8)], BUILD) == RotaryAttrs(False, 8, 0)
 
 
 def test_missing_fields_take_defaults_when_building_but_not_when_deserializing():
-    assert plugin.parse_fields([], BUILD) == RotaryAttrs(False, 0, 0)
+    assert cpu_twin.parse_fields([], BUILD) == RotaryAttrs(False, 0, 0)
     fields = [PluginField.int32("interleaved", 0), PluginField.int32("num_heads", 4)]
     with pytest.raises(PluginFieldError, match="lacks field 'rotary_embedding_dim'.*rebuild the engine"):
-        plugin.parse_fields(fields, RUNTIME)
+        cpu_twin.parse_fields(fields, RUNTIME)
 
 
 @pytest.mark.parametrize(
@@ -237,19 +237,19 @@ def test_missing_fields_take_defaults_when_building_but_not_when_deserializing()
 def test_malformed_fields_are_rejected_with_the_reason(field, message):
     for phase in (BUILD, RUNTIME):
         with pytest.raises(PluginFieldError, match=message):
-            plugin.parse_fields([field], phase)
+            cpu_twin.parse_fields([field], phase)
 
 
 def test_duplicate_fields_are_rejected():
     with pytest.raises(PluginFieldError, match="'num_heads' is given more than once"):
-        plugin.parse_fields([PluginField.int32("num_heads", 8), PluginField.int32("num_heads", 4)])
+        cpu_twin.parse_fields([PluginField.int32("num_heads", 8), PluginField.int32("num_heads", 4)])
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.booleans(), st.integers(0, 2**31 - 1), st.integers(0, 2**30 - 1))
 def test_serialized_fields_parse_back(interleaved, num_heads, half):
     attrs = RotaryAttrs(interleaved, num_heads, 2 * half)
-    fields = plugin.serialize_fields(attrs)
+    fields = cpu_twin.serialize_fields(attrs)
     assert [(f.name, f.type, f.length) for f in fields] == [
         ("interleaved", "INT32", 1),
         ("num_heads", "INT32", 1),
@@ -257,7 +257,7 @@ def test_serialized_fields_parse_back(interleaved, num_heads, half):
     ]
     values = [int.from_bytes(f.data, "little", signed=True) for f in fields]
     assert values == [int(interleaved), num_heads, 2 * half]
-    assert plugin.parse_fields(fields, RUNTIME) == attrs
-    assert plugin.metadata_string(attrs) == (
+    assert cpu_twin.parse_fields(fields, RUNTIME) == attrs
+    assert cpu_twin.metadata_string(attrs) == (
         f"interleaved={int(interleaved)} num_heads={num_heads} rotary_embedding_dim={2 * half}"
     )

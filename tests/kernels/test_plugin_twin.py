@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_export.kernels import plugin
+from rope_export.kernels import cpu_twin, libraries
 from rope_export.kernels.build import ensure_built
 from rope_export.op import reference
 from rope_export.op.contract import RotaryContractError
@@ -93,7 +93,7 @@ def _vector_path_possible(c) -> bool:
 def test_twin_matches_reference(c):
     x, cos, sin, pos, kwargs = _inputs(c)
     expected = reference.rotary_embedding(x, cos, sin, pos, **kwargs)
-    got, plan = plugin.run(x, cos, sin, pos, force_scalar=c["force_scalar"], **kwargs)
+    got, plan = cpu_twin.run(x, cos, sin, pos, force_scalar=c["force_scalar"], **kwargs)
     assert plan.vectorized == _vector_path_possible(c)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     assert tolerance("op", c["dtype"]).allclose(got.float(), expected.float())
@@ -108,8 +108,8 @@ def test_vector_and_scalar_paths_agree_bit_for_bit(dtype, interleaved):
     cos, sin = torch.randn(2, 64, 32, generator=gen), torch.randn(2, 64, 32, generator=gen)
     pos = torch.tensor([[0, 5, 63, 64, -1], [7, 7, 1000, 2, 3]])
     kw = dict(interleaved=interleaved, rotary_embedding_dim=64)
-    vec, vplan = plugin.run(x, cos[0], sin[0], pos, **kw)
-    sca, splan = plugin.run(x, cos[0], sin[0], pos, force_scalar=True, **kw)
+    vec, vplan = cpu_twin.run(x, cos[0], sin[0], pos, **kw)
+    sca, splan = cpu_twin.run(x, cos[0], sin[0], pos, force_scalar=True, **kw)
     assert vplan.vectorized and not splan.vectorized
     bits = torch.int16 if vec.element_size() == 2 else torch.int32
     assert torch.equal(vec.view(bits), sca.view(bits))
@@ -125,7 +125,7 @@ def test_out_of_range_tokens_are_copied_unchanged(dtype):
     x[0, 3, 5] = float("nan")
     cos = sin = torch.randn(4, 8).to(DTYPES[dtype])
     pos = torch.tensor([[0, -1, 2, 4]])
-    out, _ = plugin.run(x, cos, sin, pos, num_heads=3)
+    out, _ = cpu_twin.run(x, cos, sin, pos, num_heads=3)
     bits = torch.int32 if dtype == "float32" else torch.int16
     assert torch.equal(out[0, 1].view(bits), x[0, 1].view(bits))
     assert torch.equal(out[0, 3].view(bits), x[0, 3].view(bits))
@@ -152,13 +152,13 @@ def test_offsets_past_2_to_the_31_elements(four_d, force_scalar):
     cos, sin = torch.randn(100, 512, generator=gen), torch.randn(100, 512, generator=gen)
     pos = torch.randint(-2, 102, (b, s), generator=gen)
     kw = dict(num_heads=0 if four_d else h, force_scalar=force_scalar)
-    _, plan = plugin.run(x, cos, sin, pos, out=out, blocks=(0, 0), **kw)  # plan only
+    _, plan = cpu_twin.run(x, cos, sin, pos, out=out, blocks=(0, 0), **kw)  # plan only
     first = (plan.grid[0] - 1) * plan.block[1]  # first token of the last block
     assert first * h * d >= 2**31  # int32 offsets would already wrap here
     tok = (slice(None), slice(None), slice(first, None)) if four_d else (slice(None), slice(first, None))
     x[tok] = torch.randn(x[tok].shape, generator=gen).half()
     before = (slice(None), slice(None), first - 1) if four_d else (slice(None), first - 1)
-    plugin.run(x, cos, sin, pos, out=out, blocks=(plan.grid[0] - 1, plan.grid[0]), **kw)
+    cpu_twin.run(x, cos, sin, pos, out=out, blocks=(plan.grid[0] - 1, plan.grid[0]), **kw)
     kwr = dict(num_heads=kw["num_heads"])
     expected = reference.rotary_embedding(x[tok].clone(), cos, sin, pos[:, first:].clone(), **kwr)
     assert tolerance("op", "float16").allclose(out[tok].float(), expected.float())
@@ -193,7 +193,7 @@ def test_twin_matches_onnx_reference_evaluator(interleaved, four_d, with_pos):
     if with_pos:
         feeds["pos"] = pos.numpy()
     expected = ReferenceEvaluator(model).run(None, feeds)[0]
-    got = plugin.rotary_embedding(x, cos, sin, pos, **attrs)
+    got = cpu_twin.rotary_embedding(x, cos, sin, pos, **attrs)
     assert tolerance("op", "float32").allclose(got.numpy(), np.asarray(expected))
 
 
@@ -201,20 +201,20 @@ def test_contract_errors_come_from_the_cpp_rules():
     x = torch.randn(1, 2, 8).half()
     cos = sin = torch.randn(1, 2, 2).half()
     with pytest.raises(RotaryContractError, match="3-D X \\[B, S, H\\*D\\] needs the num_heads attribute"):
-        plugin.run(x, cos, sin)
+        cpu_twin.run(x, cos, sin)
     with pytest.raises(RotaryContractError, match="the caches must have X's dtype \\(float16\\) or float32"):
-        plugin.run(x, cos.bfloat16(), sin.bfloat16(), num_heads=2)
+        cpu_twin.run(x, cos.bfloat16(), sin.bfloat16(), num_heads=2)
     with pytest.raises(RotaryContractError, match="position_ids must be int64, got int32"):
-        plugin.run(x, cos[0], sin[0], torch.zeros(1, 2, dtype=torch.int32), num_heads=2)
+        cpu_twin.run(x, cos[0], sin[0], torch.zeros(1, 2, dtype=torch.int32), num_heads=2)
     with pytest.raises(RotaryContractError, match="must have the same dtype"):
-        plugin.run(x, cos, sin.float(), num_heads=2)
+        cpu_twin.run(x, cos, sin.float(), num_heads=2)
 
 
 def test_tensors_off_the_cpu_are_refused_with_the_binding_that_takes_them():
     x = torch.randn(1, 2, 2, 4, device="meta")
     cos = sin = torch.randn(2, 2)
     with pytest.raises(ValueError, match="CPU tensors, got one on meta.*rope_export.kernels.cuda.rotary_embedding"):
-        plugin.run(x, cos, sin)
+        cpu_twin.run(x, cos, sin)
 
 
 def test_kernels_run_takes_cpu_tensors_to_the_twin():
@@ -223,22 +223,22 @@ def test_kernels_run_takes_cpu_tensors_to_the_twin():
     x, cos, sin = torch.randn(2, 3, 5, 8), torch.randn(16, 4), torch.randn(16, 4)
     pos = torch.tensor([[0, 1, 2, 3, 15], [4, 5, 6, 7, 16]])  # 16: outside the cache, passed through
     got, plan = kernels.run(x, cos, sin, pos)
-    want, want_plan = plugin.run(x, cos, sin, pos)
+    want, want_plan = cpu_twin.run(x, cos, sin, pos)
     assert torch.equal(got, want) and plan == want_plan
     assert torch.equal(got[1, :, 4], x[1, :, 4]) and not torch.equal(got[0, :, 1], x[0, :, 1])
 
 
 def test_empty_tensors_are_fine():
     x = torch.randn(0, 3, 16)
-    out, plan = plugin.run(x, torch.randn(0, 3, 4), torch.randn(0, 3, 4), num_heads=2)
+    out, plan = cpu_twin.run(x, torch.randn(0, 3, 4), torch.randn(0, 3, 4), num_heads=2)
     assert out.shape == x.shape and plan.tokens == 0
 
 
 def test_missing_library_says_how_to_build_it(tmp_path, monkeypatch):
-    monkeypatch.setenv(plugin.PLUGIN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(libraries.PLUGIN_DIR_ENV, str(tmp_path))
     match = "make plugin.*rope-export build-plugin.*ROPE_EXPORT_PLUGIN_DIR"
-    with pytest.raises(plugin.PluginNotBuiltError, match=match):
-        plugin.twin()
+    with pytest.raises(libraries.PluginNotBuiltError, match=match):
+        cpu_twin.twin()
 
 
 def test_twin_under_address_and_undefined_behaviour_sanitizers(built_dir):

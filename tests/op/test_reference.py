@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as lla
 from rope_export.op.onnx_op import rotary_numpy
 from rope_export.op.reference import rotary_embedding
 from rope_export.op.tolerances import tolerance
-from rope_export.runtimes.runners import to_numpy
+from rope_export.runtimes.contract_runners import to_numpy
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16}

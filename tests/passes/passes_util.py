@@ -21,7 +21,7 @@ from rope_export.op.nodes import PLUGIN_NAME, TRT_PLUGIN_DOMAIN
 from rope_export.op.onnx_op import RotaryEmbedding as RopeOpRun
 from rope_export.op.onnx_op import make_rotary_node, rotary_numpy
 from rope_export.op.reference import rotary_embedding
-from rope_export.runtimes.runners import to_numpy, to_torch
+from rope_export.runtimes.contract_runners import to_numpy, to_torch
 
 NP_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}

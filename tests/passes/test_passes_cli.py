@@ -14,8 +14,8 @@ from rope_export.op.tolerances import tolerance
 
 @pytest.fixture
 def main(monkeypatch):
-    if "rope_export.passes.cli" not in cli.COMMAND_MODULES:
-        monkeypatch.setattr(cli, "COMMAND_MODULES", [*cli.COMMAND_MODULES, "rope_export.passes.cli"])
+    if "rope_export.cli.passes" not in cli.COMMAND_MODULES:
+        monkeypatch.setattr(cli, "COMMAND_MODULES", [*cli.COMMAND_MODULES, "rope_export.cli.passes"])
     return cli.main
 
 

@@ -22,12 +22,12 @@ import torch
 import vision_blocks as vb
 
 import rope_export
-from rope_export.kernels import plugin
+from rope_export.kernels import libraries
 from rope_export.op.contract import DOMAIN, OP_TYPE
 from rope_export.op.nodes import PLUGIN_NAME, TRT_PLUGIN_DOMAIN
 from rope_export.op.tolerances import tolerance
 from rope_export.passes import fuse, lower
-from rope_export.runtimes.runners import CpuTwinRunner
+from rope_export.runtimes.contract_runners import CpuTwinRunner
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 TOLERANCE = tolerance("op", "float32")
@@ -48,8 +48,8 @@ SLOW = ("heads_first", "titan_positions", "gptfast", "per_head_stack", "pixtral"
 
 def _twin_reason() -> str | None:
     try:
-        plugin.library_path(plugin.TWIN_LIBRARY)
-    except plugin.PluginNotBuiltError as exc:
+        libraries.library_path(libraries.TWIN_LIBRARY)
+    except libraries.PluginNotBuiltError as exc:
         return f"the CPU twin is not built: {exc}"
     return None
 

@@ -21,7 +21,7 @@ from rope_export.op.nodes import (
 )
 from rope_export.op.tolerances import tolerance
 from rope_export.passes import LoweringLog, lower
-from rope_export.runtimes.runners import CpuTwinRunner
+from rope_export.runtimes.contract_runners import CpuTwinRunner
 
 CORE_HEADER = Path(__file__).resolve().parents[2] / "plugins" / "core" / "rope_core.h"
 

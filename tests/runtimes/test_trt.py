@@ -16,7 +16,7 @@ from exported import CACHE_LEN, exported_model
 
 from rope_export import cli
 from rope_export.common.errors import CLIError
-from rope_export.kernels.plugin import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
+from rope_export.kernels.libraries import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir
 from rope_export.op import reference
 from rope_export.op.nodes import LEGACY_PLUGIN_NAME, PLUGIN_NAME
 from rope_export.op.tolerances import tolerance
@@ -28,7 +28,7 @@ UNAVAILABLE = rtrt.tensorrt_unavailable_reason()
 
 
 def _cli(monkeypatch, argv):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.kernels.build", "rope_export.runtimes.trt"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["rope_export.cli.build_plugin", "rope_export.cli.build"])
     return cli.main(argv)
 
 

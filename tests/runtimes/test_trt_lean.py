@@ -29,13 +29,8 @@ from pathlib import Path
 import onnx
 import pytest
 
-from rope_export.kernels.plugin import (
-    TRT_PLUGIN_LIBRARY,
-    TRT_VC_PLUGIN_LIBRARY,
-    plugin_dir,
-    serialize_fields,
-    source_root,
-)
+from rope_export.kernels.cpu_twin import serialize_fields
+from rope_export.kernels.libraries import TRT_PLUGIN_LIBRARY, TRT_VC_PLUGIN_LIBRARY, plugin_dir, source_root
 from rope_export.op import contract
 from rope_export.op.contract import RotaryAttrs, RotaryContractError
 from rope_export.op.nodes import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION

@@ -1,10 +1,14 @@
-"""``rope-export package genai|triton``: what a serving stack loads as it is.
+"""``rope-export package genai|triton``: what a serving stack loads as it is (``rope_export.serve``).
 
 ``package`` has one subcommand per runtime (``PACKAGERS``: name -> function adding its parser), so a
 runtime is added with one entry; each imports its module lazily when it runs.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from rope_export.cli.options import add_model_source_arguments, add_output_arguments
 
 GENAI_DESCRIPTION = (
     "Write a folder onnxruntime-genai runs as it is (og.Model(OUT_DIR)): model.onnx lowered to --target, "
@@ -20,18 +24,14 @@ GENAI_DESCRIPTION = (
 
 
 def _add_genai(packagers) -> None:
-    from rope_export.cli.options import add_output_arguments
     from rope_export.serve.genai import TARGETS
 
     parser = packagers.add_parser("genai", help="an onnxruntime-genai folder (model.onnx, genai_config.json, "
                                                 "tokenizer)", description=GENAI_DESCRIPTION)
     parser.add_argument("model", nargs="?", metavar="MODEL.onnx", default=None,
                         help="a file from `rope-export export --hf` (its config comes from its metadata); or --hf")
-    parser.add_argument("--hf", metavar="MODEL_DIR", default=None,
-                        help="a local transformers folder (config.json): exported here with an attention_mask input")
-    parser.add_argument("--weights", metavar="DIR", default=None,
-                        help="with --hf: the folder with the weights (default: as export --hf, the checkpoint in "
-                             "MODEL_DIR, else random weights, --seed)")
+    add_model_source_arguments(parser, "a local transformers folder (config.json): exported here with an "
+                                       "attention_mask input, instead of MODEL.onnx")
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
                         help="the folder to copy tokenizer files and generation_config.json's defaults from "
                              "(default: MODEL_DIR)")
@@ -44,15 +44,44 @@ def _add_genai(packagers) -> None:
                              "(TensorScatter-24 + Attention-24, opset 24; past_present_share_buffer true), so a decode "
                              "step does not copy the whole past; refused for attention soft-capping (Gemma-2)")
     parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="with --hf: precision")
-    parser.add_argument("--seed", type=int, default=0, help="with --hf and no weights: the random weights' seed")
     add_output_arguments(parser)
     parser.set_defaults(func=_run_genai)
 
 
 def _add_triton(packagers) -> None:
-    from rope_export.serve.triton import register_triton
+    import argparse
 
-    register_triton(packagers)
+    from rope_export.serve.triton import BACKENDS, DESCRIPTION, ORT_TARGETS
+
+    p = packagers.add_parser(
+        "triton", help="write a Triton Inference Server model repository for an ONNX file",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION)
+    p.add_argument("onnx", type=Path, metavar="FILE.onnx", help="an export of rope-export (any lowering)")
+    p.add_argument("-o", "--output", type=Path, required=True, metavar="REPO", help="the model repository folder")
+    p.add_argument("--backend", choices=BACKENDS, default="onnxruntime", help="Triton backend (default onnxruntime)")
+    p.add_argument("--name", help="model name, the folder in REPO (default: from the file name)")
+    p.add_argument("--target", choices=ORT_TARGETS, default="onnx",
+                   help="backends onnxruntime/python: the lowering to serve (default onnx)")
+    p.add_argument("--engine", type=Path, help="tensorrt: the engine to serve (default: built here where TensorRT "
+                                              "and a GPU exist)")
+    p.add_argument("--plugin", type=Path, help="tensorrt: the plugin library (default: build/plugins/"
+                                              "librope_export_trt_plugin.so, when built)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="max_batch_size: Triton owns the first dim up to N (default 1); 0: no batch dim of Triton's")
+    p.add_argument("--force", action="store_true", help="replace REPO/NAME if it exists")
+    p.set_defaults(func=_run_triton)
+
+
+def _run_triton(args) -> int:
+    from rope_export.serve.triton import write_repository
+
+    packaged = write_repository(args.onnx, args.output, backend=args.backend, name=args.name, engine=args.engine,
+                                plugin=args.plugin, max_batch=args.max_batch, target=args.target, force=args.force,
+                                say=print)
+    for path in packaged.files:
+        print(f"wrote {path}")
+    print(f"serve it with: {packaged.server_command}")
+    return 0
 
 
 PACKAGERS = {"genai": _add_genai, "triton": _add_triton}
@@ -77,7 +106,8 @@ def _run_genai(args) -> int:
     console = Console()
     with cli_steps(console, f"rope-export package genai: {args.output}", args.summary_json) as steps:
         package = package_genai(args.output, model=args.model, hf=args.hf, weights=args.weights,
-                                tokenizer=args.tokenizer, target=args.target, dtype=args.dtype, seed=args.seed,
+                                random_weights=bool(args.random_weights),
+                                tokenizer=args.tokenizer, target=args.target, dtype=args.dtype, seed=args.seed or 0,
                                 external=args.external_data, kv_buffer=args.kv_buffer, progress=steps)
         steps.add_files([(path, path.stat().st_size) for path in package.files])
     decoder = package.config["model"]["decoder"]

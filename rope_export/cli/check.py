@@ -6,16 +6,7 @@ import argparse
 import sys
 
 from rope_export.check.names import RUNNERS
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
+from rope_export.cli.options import add_model_source_arguments, whole_number
 
 
 def _gigabytes(text: str) -> float:
@@ -41,29 +32,19 @@ def register(subparsers) -> None:
     parser.add_argument("--reference", metavar="OTHER.onnx",
                         help="compare with another ONNX file run by onnxruntime (same input names), e.g. the plain "
                              "export a fused or lowered file came from")
-    parser.add_argument("--hf", metavar="CONFIG", help="compare with the transformers model of this config (folder or "
-                                                       ".json); default: the config recorded in the file")
     parser.add_argument("--module", metavar="SPEC",
                         help="compare with the PyTorch module a file of `export --module` came from, run on every "
                              "case: the same PACKAGE.MODULE:FACTORY or path/to/file.py:FACTORY as the export")
-    parser.add_argument("--weights", metavar="DIR",
-                        help="the transformers checkpoint folder (default: the weights the file records, random "
-                             "ones included; for a file that records none, the checkpoint beside --hf, else random "
-                             "weights from --seed); a note says when they differ from the file's record")
-    parser.add_argument("--random-weights", action="store_true",
-                        help="compare with random weights (--seed) even where the file records a checkpoint or "
-                             "--hf's folder holds one (a note says so)")
-    parser.add_argument("--seed", type=_positive,
-                        help="seed of the random weights, drawn as `export --hf` draws them (not as a plain "
-                             "from_config does: check such a file with --weights); default: recorded, or 0")
+    add_model_source_arguments(parser, "compare with the transformers model of this config (folder or .json); "
+                                       "default: the config recorded in the file")
     parser.add_argument("--inputs", action="append", metavar="FEEDS",
                         help="your own inputs: feeds.npz (one case), or a data-loader script loader.py[:load_data] "
                              "yielding feed dicts; repeatable")
     sizes = parser.add_argument_group("sizes of the generated inputs (dynamic dims; static ones are kept)")
-    sizes.add_argument("--batch", type=_positive, help="batch (default 2)")
-    sizes.add_argument("--seq", type=_positive, help="new tokens per case (default 16)")
-    sizes.add_argument("--past", type=_positive, help="past length of the decode cases (default 8)")
-    sizes.add_argument("--long-seq", type=_positive, help="tokens of the long-sequence case (default 128)")
+    sizes.add_argument("--batch", type=whole_number, help="batch (default 2)")
+    sizes.add_argument("--seq", type=whole_number, help="new tokens per case (default 16)")
+    sizes.add_argument("--past", type=whole_number, help="past length of the decode cases (default 8)")
+    sizes.add_argument("--long-seq", type=whole_number, help="tokens of the long-sequence case (default 128)")
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip running each rotary node alone over every position (the stored caches are still "
                              "compared row by row)")
@@ -102,7 +83,7 @@ def _run(args) -> int:
     module = _load_module(args.module) if args.module else {}
     with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
         report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,
-                       seed=args.seed, random_weights=args.random_weights, inputs=args.inputs, batch=args.batch,
+                       seed=args.seed, random_weights=bool(args.random_weights), inputs=args.inputs, batch=args.batch,
                        seq=args.seq, past=args.past,
                        long_seq=args.long_seq, sweep=not args.no_sweep, plugin_library=args.plugin,
                        memory_limit_gb=args.memory_limit, max_in_memory_gb=args.max_in_memory,

@@ -132,9 +132,3 @@ def _run_fuse(args) -> int:
         if report.num_fused == 0:
             return 1  # nothing of what was found was fused: not a silent success
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from rope_export.cli import main
-
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """``rope-export export --diffusers DIR [--component NAME]``: what the ``export`` command runs for a diffusers
-folder (the options: ``rope_export.cli.export_command``, which imports neither torch nor diffusers).
+folder (the options: ``rope_export.cli.export``, which imports neither torch nor diffusers).
 
 The denoiser (the default component) is exported by ``export_diffusers``: one rotary node per rotation,
 dynamic latent sizes, checked against diffusers at a second latent size. Any other component (the VAE, a

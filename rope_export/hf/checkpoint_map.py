@@ -1,9 +1,9 @@
-"""Parameters as views of a memory-mapped .safetensors checkpoint (``rope_export.exporting.checkpoints``
+"""Parameters as views of a memory-mapped .safetensors checkpoint (``rope_export.hf.checkpoints``
 builds with it).
 
 Reading 5 GB into freshly allocated memory took 10 s of a 1B fp32 export on this machine; mapping the
 file takes none. The mapping is copy-on-write: a parameter changed in place changes the process's
-copy of that page, never the file. Each mapping is registered with ``rope_export.files.mapped``, so that the
+copy of that page, never the file. Each mapping is remembered by ``rope_export.files.mapped``, so that the
 writer copies an unchanged tensor from the file itself (no page of it faulted in) and gives back the
 pages the export did touch once their tensor is written.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rope_export.files.mapped import register
+from rope_export.files.mapped import remember
 
 
 def map_safetensors(model: nn.Module, plan: dict, dtype: torch.dtype) -> set[str]:
@@ -41,7 +41,7 @@ def map_safetensors(model: nn.Module, plan: dict, dtype: torch.dtype) -> set[str
             if entry.file not in maps:
                 with open(entry.file, "rb") as f:
                     maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                register(maps[entry.file], entry.file)
+                remember(maps[entry.file], entry.file)
             view = torch.frombuffer(maps[entry.file], dtype=entry.dtype, count=count,
                                     offset=entry.start).view(entry.shape)
             made[id(param)] = nn.Parameter(view, requires_grad=param.requires_grad)

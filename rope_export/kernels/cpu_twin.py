@@ -1,12 +1,12 @@
 """Python binding (ctypes) of the CPU twin library built from ``plugins/``.
 
-The twin runs the CUDA kernels' own code on the CPU (see DESIGN.md, "Kernels and their CPU twin"),
+The twin runs the CUDA kernels' own code on the CPU (docs/tensorrt.md, "The kernels and their CPU twin"),
 and exports the TensorRT-free half of the plugin: shape rules, dtype/format rules, plugin-field
 parsing and serialization. This module calls them with torch tensors so pytest can hold them
 against ``rope_export.op.reference`` and ``rope_export.op.contract``.
 
 The library is looked up in ``$ROPE_EXPORT_PLUGIN_DIR`` if set, else in ``build/plugins`` of the
-source tree; build it with ``make plugin`` or ``rope-export build-plugin``.
+source tree (``kernels.libraries``); build it with ``make plugin`` or ``rope-export build-plugin``.
 """
 
 from __future__ import annotations
@@ -14,23 +14,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import numbers
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rope_export.kernels.libraries import TWIN_LIBRARY, PluginNotBuiltError, library_path
 from rope_export.op.contract import RotaryAttrs, RotaryContractError, RotaryShape
 
 if TYPE_CHECKING:  # torch is imported by the functions that take tensors: build-plugin and build run without it
     import torch
 
-PLUGIN_DIR_ENV = "ROPE_EXPORT_PLUGIN_DIR"
-TWIN_LIBRARY = "librope_export_twin.so"
-TRT_PLUGIN_LIBRARY = "librope_export_trt_plugin.so"  # registers itself when opened (CDLL, --staticPlugins)
-TRT_VC_PLUGIN_LIBRARY = "librope_export_trt_vc_plugin.so"  # for IPluginRegistry::loadLibrary hosts
-CUDA_LIBRARY = "librope_export_cuda.so"  # the kernels behind PyTorch's CUDA op (rope_export/kernels/cuda.py)
-# Every GPU TensorRT 10/11 runs on (Turing .. Blackwell); the build adds PTX of the newest.
-CUDA_ARCHS = (75, 80, 86, 89, 90, 100, 120)
 C_API_VERSION = 3
 MAX_RANK = 8
 
@@ -42,38 +34,8 @@ FIELD_TYPES = {
 BUILD, RUNTIME = 0, 1  # nvinfer1::TensorRTPhase
 
 
-class PluginNotBuiltError(FileNotFoundError):
-    """The plugin libraries are not built (or not where we look)."""
-
-
 class PluginFieldError(ValueError):
     """A plugin field the TensorRT plugin would reject; the message is the plugin's own."""
-
-
-def source_root() -> Path:
-    """The checkout: rope_export/kernels/plugin.py -> the folder holding plugins/ and build/."""
-    return Path(__file__).resolve().parents[2]
-
-
-def default_build_dir() -> Path:
-    return source_root() / "build" / "plugins"
-
-
-def plugin_dir() -> Path:
-    env = os.environ.get(PLUGIN_DIR_ENV)
-    return Path(env) if env else default_build_dir()
-
-
-def library_path(name: str = TWIN_LIBRARY) -> Path:
-    """Where ``name`` is, or PluginNotBuiltError saying how to build it."""
-    path = plugin_dir() / name
-    if not path.is_file():
-        where = f"${PLUGIN_DIR_ENV}={os.environ[PLUGIN_DIR_ENV]}" if os.environ.get(PLUGIN_DIR_ENV) else "build/plugins"
-        raise PluginNotBuiltError(
-            f"{name} not found in {path.parent} ({where}); build it with `make plugin` or "
-            f"`rope-export build-plugin`, or set {PLUGIN_DIR_ENV} to the folder that holds it"
-        )
-    return path
 
 
 # --- C ABI mirror (plugins/twin/rope_c_api.h) ------------------------------------------------------

@@ -12,7 +12,7 @@
   tensor stored in ``dtype`` is read into the parameter's memory, another dtype (bf16 weights
   exported as fp16, or fp32 ones) is converted in chunks of ``CHUNK_BYTES``. A .safetensors tensor
   already in ``dtype`` is not read at all: the parameter is a view of the file, memory-mapped
-  copy-on-write (``rope_export.exporting.checkpoint_map``; the writer copies it from the file,
+  copy-on-write (``rope_export.hf.checkpoint_map``; the writer copies it from the file,
   ``rope_export.files.mapped``).
   Nothing goes through float32 and no tensor exists twice. PyTorch ``pytorch_model.bin`` files
   (sharded or not) are memory-mapped one file at a time and copied into the parameters (the mapped
@@ -22,7 +22,7 @@
   ``LoadReport.loader`` says so; what even transformers cannot place (tensors missing, unexpected
   or of other shapes: the checkpoint of another model) is a ``CheckpointMismatchError`` naming
   them, never a model with freshly initialized weights. That is decided from the headers' names and
-  shapes (``rope_export.exporting.checkpoint_fit``, transformers' own renaming rules) before any tensor data is
+  shapes (``rope_export.hf.checkpoint_fit``, transformers' own renaming rules) before any tensor data is
   read; so is a tensor whose bytes lie past the end of its file.
 
 transformers is imported by the caller (``rope_export.hf``) or lazily (``checkpoint_fit``).
@@ -31,10 +31,7 @@ transformers is imported by the caller (``rope_export.hf``) or lazily (``checkpo
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,31 +40,25 @@ import torch
 from torch import nn
 
 from rope_export.common.bounds import check_allocation, format_bytes
-from rope_export.common.fileio import read_range
 from rope_export.common.steps import detail
-from rope_export.exporting.checkpoint_fit import predicted_loading_info
-from rope_export.exporting.checkpoint_map import map_safetensors
+from rope_export.hf.checkpoint_files import (
+    CheckpointError,
+    Entry,
+    bytes_of,
+    check_extents,
+    checkpoint_plan,
+    first_line,
+    mismatch,
+    open_bin,
+    read_converted,
+    read_into,
+    state_targets,
+    without_ignored,
+)
+from rope_export.hf.checkpoint_fit import predicted_loading_info
+from rope_export.hf.checkpoint_map import map_safetensors
 
-CHUNK_BYTES = 64 * 2**20  # conversion buffer for a tensor stored in another dtype
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-BIN_INDEX_FILE = "pytorch_model.bin.index.json"
-BIN_FILE = "pytorch_model.bin"
-# what save_pretrained writes, in transformers' order of preference (safetensors first)
-CHECKPOINT_FILES = (INDEX_FILE, SINGLE_FILE, BIN_INDEX_FILE, BIN_FILE)
-# weights in a form rope-export does not read (a folder holding only these is not "config only")
-OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 NAMED = 3  # tensors named per kind in a mismatch message
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be read; the message names the file and the fix."""
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -146,7 +137,7 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
     ``options``: keyword arguments of ``from_config``/``from_pretrained`` (default: eager attention)."""
     options = {"attn_implementation": "eager", **(options or {}), "dtype": dtype}
     if weights is not None:
-        plan = _checkpoint_plan(Path(weights))
+        plan = checkpoint_plan(Path(weights))
     # Sized first with everything on the meta device: a module may allocate a parameter on the CPU before
     # registering it (nn.Embedding does), so a vocab_size of 1e10 must be refused before the build below.
     with torch.device("meta"):
@@ -167,9 +158,9 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
         with default_dtype(dtype):  # as from_config: buffers such as GPT-J's sin/cos table come out the same
             model.init_weights()  # transformers' own initialization; also recomputes rotary buffers, re-ties
         return model.eval(), LoadReport("random")
-    plan = _without_ignored(model, plan)
-    mismatch = _mismatch(model, plan)
-    if mismatch:
+    plan = without_ignored(model, plan)
+    why = mismatch(model, plan)
+    if why:
         # names and shapes decide before any tensor data is read: another model's checkpoint is refused now,
         # not after from_pretrained has loaded all of it
         predicted = predicted_loading_info(model, {name: entry.shape for name, entry in plan.items()})
@@ -177,11 +168,11 @@ def build_causal_lm(auto_class, config, dtype: torch.dtype, *, weights: str | os
         del model
         if misfit:
             raise _misfit_error(Path(weights), misfit)
-        _check_extents(plan)
-        detail(progress, f"loading with transformers' from_pretrained ({mismatch})")
+        check_extents(plan)
+        detail(progress, f"loading with transformers' from_pretrained ({why})")
         model = _from_pretrained(auto_class, Path(weights), config, options)
-        return model.eval(), LoadReport("transformers", reason=mismatch)
-    _check_extents(plan)
+        return model.eval(), LoadReport("transformers", reason=why)
+    check_extents(plan)
     mapped = map_safetensors(model, plan, dtype)
     materialize(model, dtype)
     report = load_checkpoint(model, plan, progress, placed=mapped)
@@ -196,7 +187,7 @@ def _from_pretrained(auto_class, folder: Path, config, options: dict) -> nn.Modu
             model, info = auto_class.from_pretrained(str(folder), config=config, local_files_only=True,
                                                      output_loading_info=True, ignore_mismatched_sizes=True, **options)
         except (RuntimeError, OSError) as exc:  # its conversion errors and unreadable files
-            raise CheckpointError(f"checkpoint {folder}: transformers cannot load it: {_first_line(exc)}") from None
+            raise CheckpointError(f"checkpoint {folder}: transformers cannot load it: {first_line(exc)}") from None
     misfit = describe_misfit(info)
     if misfit:
         raise _misfit_error(folder, misfit)
@@ -228,11 +219,6 @@ def describe_misfit(info: dict) -> str:
     return ", ".join(parts)
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(exc).__name__
-
-
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """No load report (a table of every tensor) and no progress bar from from_pretrained: a checkpoint that
@@ -256,165 +242,14 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-# -- safetensors --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Entry:
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute offset in the file
-    length: int
-    file_size: int = -1  # of a .safetensors file: its data must lie inside (checked before reading, after the fit)
-
-
-def read_header(path: Path) -> dict[str, _Entry]:
-    """The tensors of one .safetensors file: name -> dtype, shape and byte range (nothing else is read)."""
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100 * 2**20:
-                raise ValueError(f"header of {size:,} bytes")
-            header = json.loads(f.read(size))
-        file_size = path.stat().st_size
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-save it with save_pretrained") \
-            from None
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info.get("dtype") not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which rope-export cannot "
-                                  f"read; supported: {', '.join(SAFETENSORS_DTYPES)}")
-        begin, end = info["data_offsets"]
-        entries[name] = _Entry(path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + begin,
-                               end - begin, file_size)
-    return entries
-
-
-def _check_extents(plan: dict[str, _Entry]) -> None:
-    """Refuse a .safetensors tensor whose bytes are not all in its file (truncated or corrupt), before reading any."""
-    for name, entry in plan.items():
-        if entry.file_size < 0:
-            continue
-        expected = entry.dtype.itemsize * _numel(entry.shape)
-        if entry.length != expected or entry.start + entry.length > entry.file_size:
-            raise CheckpointError(f"{entry.file}: tensor {name!r} claims {entry.length:,} bytes at {entry.start:,} but "
-                                  f"needs {expected:,} in a {entry.file_size:,}-byte file; the file is truncated or "
-                                  "corrupt")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
-    """The checkpoint save_pretrained wrote in ``folder`` (every shard its index lists); [] if it holds none."""
-    folder = Path(folder)
-    for name in CHECKPOINT_FILES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        if not name.endswith(".json"):
-            return [path]
-        try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{path}: not a checkpoint index ({exc}); re-save with save_pretrained") from None
-        for shard in files:
-            if not (folder / shard).is_file():
-                raise CheckpointError(f"{path} lists {shard}, which is missing from {folder}")
-        return [folder / shard for shard in files]
-    return []
-
-
-def other_weight_files(folder: str | os.PathLike) -> list[str]:
-    """Files of ``folder`` that look like weights in a form rope-export does not read (shards without their
-    index, consolidated.00.pth, model.gguf, ...)."""
-    return sorted(p.name for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(OTHER_WEIGHT_SUFFIXES))
-
-
-def _checkpoint_plan(folder: Path) -> dict[str, _Entry]:
-    """Every tensor of the checkpoint folder (safetensors or PyTorch .bin, sharded or not), by name."""
-    if not folder.is_dir():
-        raise CheckpointError(f"--weights {folder}: not a folder (give the folder save_pretrained wrote)")
-    files = checkpoint_files(folder)
-    if not files:
-        found = sorted(p.name for p in folder.iterdir())[:8]
-        raise CheckpointError(f"{folder} has none of {', '.join(CHECKPOINT_FILES)} (found: "
-                              f"{', '.join(found) or 'nothing'}); save the model with save_pretrained")
-    plan: dict[str, _Entry] = {}
-    for path in files:
-        plan.update(read_header(path) if path.suffix == ".safetensors" else read_bin_header(path))
-    return plan
-
-
-def _open_bin(path: Path) -> dict[str, torch.Tensor]:
-    """A PyTorch checkpoint's tensors, memory-mapped (nothing is read until a tensor is used)."""
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - zip, pickle and mmap errors all mean the file is not one we can map
-        raise CheckpointError(f"{path}: not a PyTorch checkpoint rope-export can read ({_first_line(exc)}); "
-                              "re-save it with save_pretrained") from None
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise CheckpointError(f"{path}: not a state dict of tensors; re-save it with save_pretrained")
-    return state
-
-
-def read_bin_header(path: Path) -> dict[str, _Entry]:
-    """The tensors of one PyTorch .bin file (memory-mapped to list them; the data is read when loading)."""
-    return {name: _Entry(path, t.dtype, tuple(t.shape), -1, t.nbytes) for name, t in _open_bin(path).items()}
-
-
-def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters (tied ones under each name) and persistent buffers, by state-dict name."""
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                targets[f"{module_name}.{name}" if module_name else name] = buffer
-    return targets
-
-
-def _without_ignored(model: nn.Module, plan: dict[str, _Entry]) -> dict[str, _Entry]:
-    """The plan without the tensors transformers drops on loading: non-persistent buffers that old checkpoints
-    stored (the rotary ``inv_freq``) and names matching the class's ``_keys_to_ignore_on_load_unexpected``."""
-    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    volatile = {f"{m}.{b}" if m else b for m, module in model.named_modules(remove_duplicate=False)
-                for b in module._non_persistent_buffers_set}
-    return {name: entry for name, entry in plan.items()
-            if name not in volatile and not any(p.search(name) for p in patterns)}
-
-
-def _mismatch(model: nn.Module, plan: dict[str, _Entry]) -> str:
-    """Why the checkpoint cannot be read name by name into this model ("" if it can)."""
-    targets = _targets(model)
-    unknown = sorted(set(plan) - set(targets))
-    if unknown:
-        return f"{len(unknown)} checkpoint tensor(s) the model does not have by that name, e.g. {unknown[0]!r}"
-    for name, entry in plan.items():
-        if tuple(targets[name].shape) != entry.shape:
-            return f"{name!r} is {list(entry.shape)} in the checkpoint, {list(targets[name].shape)} in the model"
-    loaded = {id(targets[name]) for name in plan}
-    missing = sorted(name for name, t in model.named_parameters(remove_duplicate=False) if id(t) not in loaded)
-    if missing:
-        return f"{len(missing)} parameter(s) missing from the checkpoint, e.g. {missing[0]!r}"
-    return ""
-
-
-def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLike,
+def load_checkpoint(model: nn.Module, plan: dict[str, Entry] | str | os.PathLike,
                     progress: Callable[[str], None] | None = None, *, placed: set[str] = frozenset()) -> LoadReport:
     """Read the checkpoint's tensors into ``model``'s allocated parameters and buffers, in their dtypes
     (``placed``: names ``map_safetensors`` already mapped)."""
     if not isinstance(plan, dict):
-        plan = _checkpoint_plan(Path(plan))
-    _check_extents(plan)
-    targets = _targets(model)
+        plan = checkpoint_plan(Path(plan))
+    check_extents(plan)
+    targets = state_targets(model)
     pytorch = any(e.start < 0 for e in plan.values())
     report = LoadReport("pytorch" if pytorch else "safetensors", files=sorted({str(e.file) for e in plan.values()}),
                         tensors=len(placed), mapped=len(placed))
@@ -422,12 +257,12 @@ def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLik
     plan = {name: entry for name, entry in plan.items() if name not in placed}
     total = sum(e.length for e in plan.values())
     buffer = bytearray()
-    by_file: dict[Path, list[tuple[str, _Entry]]] = {}
+    by_file: dict[Path, list[tuple[str, Entry]]] = {}
     for name, entry in plan.items():
         by_file.setdefault(entry.file, []).append((name, entry))
     for path, entries in by_file.items():
         # a .bin is mapped one file at a time: its pages are the file's, unmapped once it is copied
-        mapped = _open_bin(path) if entries[0][1].start < 0 else None
+        mapped = open_bin(path) if entries[0][1].start < 0 else None
         with open(path, "rb", buffering=0) if mapped is None else contextlib.nullcontext() as f:
             for name, entry in sorted(entries, key=lambda item: item[1].start):
                 target = targets[name]
@@ -435,9 +270,9 @@ def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLik
                     if mapped is not None:
                         target.copy_(mapped[name])  # converted elementwise into the parameter, no temporary
                     elif target.dtype == entry.dtype:
-                        _read_into(f, entry.start, _bytes_of(target), path)
+                        read_into(f, entry.start, bytes_of(target), path)
                     else:
-                        buffer = _read_converted(f, entry, target, buffer, path)
+                        buffer = read_converted(f, entry, target, buffer, path)
                     if target.dtype != entry.dtype:
                         key = f"{_short(entry.dtype)}->{_short(target.dtype)}"
                         report.converted[key] = report.converted.get(key, 0) + 1
@@ -451,36 +286,6 @@ def load_checkpoint(model: nn.Module, plan: dict[str, _Entry] | str | os.PathLik
 
 def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).split(".")[-1])
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous tensor's memory."""
-    if not tensor.is_contiguous():
-        raise CheckpointError("internal: a parameter is not contiguous")
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
-
-
-def _read_into(f, offset: int, view: memoryview, path: Path) -> None:
-    done = read_range(f.fileno(), offset, view)
-    if done < len(view):
-        raise CheckpointError(f"{path} ended early (read {done:,} of {len(view):,} bytes of a tensor); "
-                              "the file is truncated")
-
-
-def _read_converted(f, entry: _Entry, target: torch.Tensor, buffer: bytearray, path: Path) -> bytearray:
-    """Read ``entry`` in chunks and convert each into ``target``'s dtype; returns the (reused) buffer."""
-    item = entry.dtype.itemsize
-    per_chunk = max(1, CHUNK_BYTES // item)
-    if len(buffer) < min(entry.length, per_chunk * item):
-        buffer = bytearray(min(entry.length, per_chunk * item))
-    flat = target.detach().reshape(-1)
-    numel = _numel(entry.shape)
-    for first in range(0, numel, per_chunk):
-        count = min(per_chunk, numel - first)
-        view = memoryview(buffer)[: count * item]
-        _read_into(f, entry.start + first * item, view, path)
-        flat[first:first + count].copy_(torch.frombuffer(view, dtype=entry.dtype, count=count))
-    return buffer
 
 
 def weights_fact(folder: str | os.PathLike | None, seed: int) -> dict:

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from rope_export.exporting import checkpoints  # noqa: E402
-from rope_export.exporting.checkpoints import CheckpointError, build_causal_lm  # noqa: E402
+from rope_export.hf import checkpoint_files  # noqa: E402
+from rope_export.hf.checkpoints import CheckpointError, build_causal_lm  # noqa: E402
 
 AUTO = transformers.AutoModelForCausalLM
 COMMON = dict(vocab_size=96, max_position_embeddings=64)
@@ -119,7 +119,7 @@ class Dtypes(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_sharded_checkpoint_loads_in_the_export_dtype_without_float32(checkpoint, monkeypatch, dtype):
-    monkeypatch.setattr(checkpoints, "CHUNK_BYTES", 256)  # several chunks per tensor
+    monkeypatch.setattr(checkpoint_files, "CHUNK_BYTES", 256)  # several chunks per tensor
     config = transformers.AutoConfig.from_pretrained(checkpoint)
     with Dtypes() as seen:
         model, report = build_causal_lm(AUTO, config, dtype, weights=checkpoint)
@@ -139,7 +139,7 @@ def test_sharded_checkpoint_loads_in_the_export_dtype_without_float32(checkpoint
 
 
 def test_float32_checkpoint_is_converted_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoints, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(checkpoint_files, "CHUNK_BYTES", 1000)
     torch.manual_seed(0)
     AUTO.from_config(CONFIGS["qwen2"](), attn_implementation="eager").save_pretrained(tmp_path)
     model, report = build_causal_lm(AUTO, transformers.AutoConfig.from_pretrained(tmp_path), torch.float16,

@@ -96,9 +96,9 @@ class OnnxReferenceRunner(_TimedRunner):
 
 
 def _twin_kernel(X, cos_cache, sin_cache, position_ids=None, *, interleaved=0, num_heads=0, rotary_embedding_dim=0):
-    from rope_export.kernels import plugin
+    from rope_export.kernels import cpu_twin
 
-    out = plugin.rotary_embedding(
+    out = cpu_twin.rotary_embedding(
         to_torch(X),
         to_torch(cos_cache),
         to_torch(sin_cache),

@@ -1,13 +1,13 @@
 """``rope-export export --hf CONFIG``: what the ``export`` command runs when any of its transformers options is
-given (the options: ``rope_export.cli.export_command``, which imports neither torch nor transformers)."""
+given (the options: ``rope_export.cli.export``, which imports neither torch nor transformers)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rope_export.exporting.checkpoints import weights_fact
+from rope_export.hf.checkpoints import weights_fact
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.exporting import export_hf
+from rope_export.hf.export import export_hf
 from rope_export.hf.families import HF_FAMILIES
 from rope_export.hf.loading import build_hf_model, weights_beside
 from rope_export.hf.versions import said_when_untested
@@ -62,7 +62,7 @@ def run_hf_export(args) -> int:
                            allow_no_rope=bool(args.allow_no_rope), opset=args.opset,
                            attention_mask=bool(args.attention_mask), kv_buffer=bool(args.kv_buffer),
                            external=args.external_data, weights=None if weights is None else str(weights),
-                           seed=args.seed, trace=args.trace or "full", progress=progress,
+                           seed=args.seed, trace=args.trace or "per-kind", progress=progress,
                            verbose=args.verbose)
         progress.facts["trace"] = result.trace  # which path ran, for --summary-json as for the line below
         progress.add_files(output_files(args.output))
