@@ -140,7 +140,7 @@ class DiffusersReference(Reference):
         import torch
 
         from rope_export.diffusion.recipes import Denoiser
-        from rope_export.runtimes.runners import to_numpy, to_torch
+        from rope_export.runtimes.contract_runners import to_numpy, to_torch
 
         say(f"building {self.label}")
         model = self._model()

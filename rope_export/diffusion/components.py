@@ -45,7 +45,7 @@ def _vae_example(vae, dtype):
                                    "decoders of image and video VAEs that name it")
     video = "3d" in type(vae).__name__.lower() or hasattr(config, "temperal_downsample") or \
         hasattr(config, "temporal_compression_ratio")
-    shape = (1, channels, 2, 4, 4) if video else (1, channels, 4, 4)
+    shape = (2, channels, 2, 4, 4) if video else (2, channels, 4, 4)  # not 1: torch.export takes 1 for static
     return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
@@ -53,9 +53,13 @@ def export_component(model, component: Component, output, *, opset=23, allow_dec
                      progress=None, verbose=False) -> str:
     """Export a VAE's decoder or a text encoder; returns the summary's text."""
     dtype = next(model.parameters()).dtype
+    shapes = "auto"
     if hasattr(model, "decode") and component.library == "diffusers":
-        module, args, names, what = VaeDecoder(model), (_vae_example(model, dtype),), (["latent"], ["sample"]), \
-            "the VAE's decoder"
+        latent = _vae_example(model, dtype)
+        module, args, names, what = VaeDecoder(model), (latent,), (["latent"], ["sample"]), "the VAE's decoder"
+        axes = ("batch", "frames", "height", "width") if latent.dim() == 5 else ("batch", "height", "width")
+        shapes = ({axis: torch.export.Dim(name) for axis, name in zip((0, *range(2, latent.dim())), axes,
+                                                                        strict=True)},)  # all but the channels
     elif component.library == "transformers":
         vocab = getattr(model.config, "vocab_size", 2) or 2
         ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -65,7 +69,8 @@ def export_component(model, component: Component, output, *, opset=23, allow_dec
         raise DiffusersFolderError(f"{component.label}: rope-export exports a pipeline's denoiser, its VAE's decoder "
                                    "and its transformers text encoders; this component is none of them")
     result = export_module(module, args, output=output, opset=opset, input_names=names[0], output_names=names[1],
-                           allow_decomposed=allow_decomposed, external=external, progress=progress, verbose=verbose)
+                           dynamic_shapes=shapes, allow_decomposed=allow_decomposed, external=external,
+                           progress=progress, verbose=verbose)
     rotations = len(result.census.plain)
     if rotations == 0:
         verdict = f"{what} ({component.class_name}) performs no rotary position embedding: exported as it is (no RoPE)"

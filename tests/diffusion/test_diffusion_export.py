@@ -28,11 +28,11 @@ from tiny_configs import TINY, tiny  # noqa: E402
 from rope_export.cli import main  # noqa: E402
 from rope_export.detect import count_rotations  # noqa: E402
 from rope_export.diffusion.recipes import OTHER, TRACED, Denoiser, inputs_at, recipe_for  # noqa: E402
-from rope_export.kernels import plugin  # noqa: E402
+from rope_export.kernels import libraries  # noqa: E402
 from rope_export.op.contract import DOMAIN, OP_TYPE  # noqa: E402
 from rope_export.op.tolerances import tolerance  # noqa: E402
 from rope_export.passes import lower  # noqa: E402
-from rope_export.runtimes.runners import CpuTwinRunner  # noqa: E402
+from rope_export.runtimes.contract_runners import CpuTwinRunner  # noqa: E402
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 QUICK = ("FluxTransformer2DModel",)
@@ -83,8 +83,8 @@ def _params(targets=(None,)):
 
 def _twin_skip():
     try:
-        plugin.library_path(plugin.TWIN_LIBRARY)
-    except plugin.PluginNotBuiltError as exc:
+        libraries.library_path(libraries.TWIN_LIBRARY)
+    except libraries.PluginNotBuiltError as exc:
         pytest.skip(f"the CPU twin is not built: {exc}")
 
 
