@@ -21,7 +21,7 @@ import diffusers_zoo  # noqa: E402
 from diffusers_zoo_table import DOC, doc_table, load_results, render  # noqa: E402
 
 RESULTS = load_results()
-CLASSES = diffusers_zoo.zoo_classes()
+CLASSES = sorted(RESULTS)  # the installed diffusers' classes are listed by a slow test (importing them all takes ~7 s)
 FAST = ("FluxTransformer2DModel", "WanTransformer3DModel", "CogVideoXTransformer3DModel",
         "HunyuanVideoTransformer3DModel", "LTXVideoTransformer3DModel", "Lumina2Transformer2DModel",
         "SanaTransformer2DModel", "SD3Transformer2DModel")
@@ -70,7 +70,11 @@ def test_a_rotating_class_exports_one_node_per_rotation_as_recorded(name):
     assert result.reason == RESULTS[name]["reason"]  # both latent sizes compared; the axes made static, if any
 
 
-def test_every_class_is_recorded_and_the_docs_table_is_rendered_from_the_records():
-    assert sorted(RESULTS) == CLASSES, "run make diffusers-zoo to record the installed diffusers' classes"
+@pytest.mark.slow
+def test_every_transformer_class_of_the_installed_diffusers_is_recorded():
+    assert CLASSES == diffusers_zoo.zoo_classes(), "run make diffusers-zoo to record the installed diffusers' classes"
+
+
+def test_the_docs_table_is_rendered_from_the_records():
     assert doc_table(DOC.read_text()) == render(RESULTS), \
         "docs/diffusers.md's zoo table is not the one rendered from diffusers_zoo_results.json: run make diffusers-zoo"
