@@ -7,12 +7,12 @@ axis (``batch``, ``frames``, ``height``, ``width``, ``image_seq``, ``text_seq``)
 ``img_ids``/``txt_ids``, LTX-Video's ``video_coords``) are float, as diffusers' pipelines pass them (LTX's
 frame coordinates are fractional); ``Denoiser`` names them to the rotation census
 (``rope_export.detect.POSITION_INPUTS``), which otherwise takes a float input for an activation. A model
-that builds its grid from the latent's shape (Wan, HunyuanVideo, Lumina 2, CogVideoX through
-``image_rotary_emb``) takes none.
+that builds its grid from the latent's shape (Wan, HunyuanVideo, Lumina 2) takes none; CogVideoX's transformer
+takes the rotary tables its pipeline computes (``image_rotary_emb``), and so does the file (``Recipe.tuples``).
 
-``RECIPES`` maps a family to its recipe and ``recipe_for(model)`` picks it by the model's forward
-signature, so a class rope-export never named (a Flux derivative) is served by the recipe of its
-family; adding a family is adding an entry.
+``RECIPES`` maps a family to its recipe and ``recipe_for(model)`` picks the first that fits the model (its
+identifying parameters are the forward's, and it makes every input the forward requires), so a class rope-export
+never named (a Flux derivative) is served by the recipe of its family; adding a family is adding an entry.
 """
 
 from __future__ import annotations
