@@ -149,7 +149,7 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
     reports = [_run_runner(name, f"[{i}/{len(runners)}] {name}: ", subject, ref, cases, expected, compared_outputs,
                            tol, rule, pytorch_layers, options.plugin_library, limits, say)
                for i, name in enumerate(runners, 1)]
-    _sweep(subject, reports, runners, options, past_end, limits, say)
+    _sweep(subject, reports, runners, options, past_end, limits, say, ref)
     if subject.mf.external:
         subject.notes.append(f"weights: {format_bytes(subject.mf.weight_bytes)} in external data, read by each "
                              "runner from the path in turn")
@@ -197,6 +197,11 @@ def _reference(subject: _Subject, options: CheckOptions, limits: Limits):
     mf = subject.mf
     if options.module is not None:
         ref, notes = ModuleReference(mf, options.module, options.args, options.kwargs), []
+        ref.weight_bytes = mf.weight_bytes
+    elif subject.source == "diffusers" and not options.named_reference:
+        from rope_export.check.diffusers_reference import DiffusersReference
+
+        ref, notes = DiffusersReference(mf), []
         ref.weight_bytes = mf.weight_bytes
     elif subject.example is not None and subject.source is None and not options.named_reference:
         ref, notes = RecordedReference(mf, subject.example, limits), []
@@ -268,7 +273,7 @@ def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits
     if options.inputs:
         cases = user_cases(list(options.inputs), mf)
         described = f"the user's feeds ({', '.join(map(str, options.inputs))})"
-    elif hasattr(ref, "own_cases"):  # a task file's reference knows its inputs (check.task_reference)
+    elif hasattr(ref, "own_cases"):  # a reference that knows its inputs (a task file's, a diffusers denoiser's latent sizes)
         cases, case_notes, described = ref.own_cases(mf, plan)
         subject.notes += case_notes
     else:
@@ -348,9 +353,13 @@ def _run_runner(name, prefix, subject: _Subject, ref, cases, expected, outputs, 
     return report
 
 
-def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end: bool, limits: Limits, say) -> None:
-    """Each rotary node alone over every position, on every runner; a failed sweep fails its runner."""
-    if options.sweep and subject.slices:
+def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end: bool, limits: Limits, say,
+           ref) -> None:
+    """Each rotary node alone over every position, on every runner; a failed sweep fails its runner (unless the
+    reference says why its nodes cannot run alone: ``sweep_note``)."""
+    if options.sweep and subject.slices and getattr(ref, "sweep_note", ""):
+        subject.notes.append(ref.sweep_note)
+    elif options.sweep and subject.slices:
         results, sweep_notes = cache_rows.sweep(
             subject.mf, subject.slices, runners, ropes=subject.ropes, position_limit=subject.position_limit,
             out_of_range_allowed=past_end, plugin_library=options.plugin_library,

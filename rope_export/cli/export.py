@@ -1,7 +1,8 @@
-"""``rope-export export``: a preset's attention block (the default), your own module (``--module``) or a
-transformers folder (``--hf``, run by ``rope_export.cli.export_hf``). The parser names only options and help, so
-``rope-export export --help`` imports neither torch nor transformers; a run imports the one front end it takes
-(``rope_export.presets.export``, ``rope_export.blocks.export`` or ``rope_export.hf``)."""
+"""``rope-export export``: a preset's attention block (the default), your own module (``--module``), a
+transformers folder (``--hf``, run by ``rope_export.cli.export_hf``) or a diffusers folder (``--diffusers``, run by
+``rope_export.cli.export_diffusers``). The parser names only options and help, so ``rope-export export --help``
+imports neither torch nor transformers; a run imports the one front end it takes (``rope_export.presets.export``,
+``rope_export.blocks.export``, ``rope_export.hf`` or ``rope_export.diffusion``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def register(subparsers) -> None:
                         help="--module, --hf: write the file even if a rotation stayed decomposed (a warning, not "
                              "an error)")
     add_hf_arguments(parser)
+    add_diffusers_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -82,6 +84,23 @@ def add_hf_arguments(parser) -> None:
                             "and fuse even when a function verifies (fuse)")
 
 
+def add_diffusers_arguments(parser) -> None:
+    """``--diffusers DIR`` and the options that go with it (``rope_export.cli.export_diffusers``)."""
+    group = parser.add_argument_group("diffusers image and video transformers (instead of --preset)")
+    group.add_argument("--diffusers", metavar="DIR", default=None,
+                       help="export a component of a local diffusers folder (a pipeline's, with model_index.json, or "
+                            "one model's save_pretrained folder): the denoising transformer by default, with one "
+                            "rotary node per rotation and dynamic latent sizes; its weights, or random ones (--seed) "
+                            "when it holds none or with --random-weights")
+    group.add_argument("--component", metavar="NAME", default=None,
+                       help="--diffusers: the pipeline component to export (transformer, vae, text_encoder, ...; "
+                            "default: the denoiser). A VAE (its decoder) or text encoder is exported as it is, its "
+                            "rotations counted (none in a VAE, CLIP or T5)")
+    group.add_argument("--diffusers-family", metavar="FAMILY", default=None,
+                       help="--diffusers: call the transformer as this family does (flux, wan, hunyuan-video, "
+                            "cogvideox, ltx-video, lumina2, video); default: the first whose inputs fit its forward")
+
+
 def wants_hf_export(args) -> bool:
     """Whether ``export`` was called with any of the --hf options (then ``run_hf_export`` handles it)."""
     return any(getattr(args, name, None) is not None for name in HF_ONLY)
@@ -92,6 +111,14 @@ def run(args) -> int:
 
     args.seed = 0 if args.seed is None else args.seed  # check reads "not given" as the file's own seed; export: 0
     with parent_folders_made(args.output):  # -o new/dir/model.onnx makes new/dir (removed again if the export fails)
+        if args.diffusers is not None:
+            from rope_export.cli.export_diffusers import run_diffusers_export
+
+            return run_diffusers_export(args)
+        if args.component is not None or args.diffusers_family is not None:
+            from rope_export.common.errors import CLIError
+
+            raise CLIError("--component and --diffusers-family need --diffusers DIR")
         if wants_hf_export(args):
             from rope_export.cli.export_hf import run_hf_export
 
