@@ -318,7 +318,7 @@ def _copy_step(step, steps: list, model: Path, work: Path) -> None:
         step(COPY, copy_command(data_path(model), copied), [copied])
         copied.unlink(missing_ok=True)
     else:
-        steps.append({"step": COPY, "skipped": "the weights are inside the .onnx (under 2 GB)"})
+        steps.append({"step": COPY, "skipped": "the weights are inside the .onnx (32 MB or less)"})
 
 
 def _later_steps(step, steps: list, model: Path, plain: Path, work: Path, keep: bool, check: bool,

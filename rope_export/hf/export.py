@@ -492,7 +492,8 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
         raise NotStampable("the stamped file's rotary nodes per layer differ from transformers' rotations per layer")
     try:
         proof = prove_decoder_layers(program.model, model, layout, stamped, kinds, position_rank=fam.position_rank,
-                                     attention_mask=attention_mask, kv_buffer=kv_buffer, seed=seed, progress=say)
+                                     attention_mask=attention_mask, kv_buffer=kv_buffer, seed=seed, example=example,
+                                     progress=say)
     except LayerMismatch as exc:
         raise NotStampable(str(exc)) from exc
     return program, hook, (f"per-kind: {traced} of {n} decoder layers traced and counted ({len(set(kinds))} kind(s)), "

@@ -24,9 +24,17 @@ weights_of=L)``): what the copy computes, in torch. onnxruntime's CPU provider c
 fed as inputs on every run (0.7-0.9 s per 2048x8192 MatMul on a busy machine), so running every layer
 there would cost about a minute for a 1B fp16 model.
 
-Memory: one layer's weights at a time (a mapped checkpoint's pages given back after each layer,
-``rope_export.files.mapped``); torch and onnxruntime on one thread (a few tokens: a second thread
-only waits, tens of milliseconds per tiny op on a busy machine).
+Which cases: the first layer of a kind runs the cases ``first`` names (its graph at several cache lengths), a
+later one those ``later`` names: its module against the template's, where one case whose positions lie on
+both sides of the traced example's does what two did (each case of a later layer costs two eager layers;
+the graph's own generality is the first layer's to prove).
+
+Cost and memory: one layer's weights at a time (a mapped checkpoint's pages given back after each layer,
+``rope_export.files.mapped``); only the first layer of a kind has its weights copied (the contiguous
+arrays onnxruntime is fed: a later layer's eager run reads them where they are). torch and onnxruntime
+run on one thread: a few tokens, so a layer's cost is reading its weights once, and on a busy machine
+a second thread only waits (a 1B fp32 model's proof took 32 s on two threads at load 9, its 28 eager
+layers' small ops 15-30 ms each, against 12.7 s on one at load 11, the same cases).
 """
 
 from __future__ import annotations
@@ -63,13 +71,16 @@ class Case:
 @dataclass(frozen=True)
 class Proof:
     layers: int
-    cases: int
+    cases: int  # the first stamped layer of each kind
     worst: float  # the largest error over its bound (< 1: every layer within tolerance)
     seconds: float
+    later_cases: int | None = None  # each later one (None: as many)
 
     def describe(self) -> str:
-        return (f"each stamped layer equal to the model's own in {self.cases} cases (worst {self.worst:.2f} of the "
-                "op tolerance)")
+        later = self.cases if self.later_cases is None else self.later_cases
+        where = f"in {self.cases} cases" if later == self.cases else \
+            f"(the first of each kind in {self.cases} cases, the others in {later})"
+        return f"each stamped layer equal to the model's own {where} (worst {self.worst:.2f} of the op tolerance)"
 
 
 # -- the model's own layer L --------------------------------------------------------------------
@@ -143,9 +154,11 @@ def _ancestors(graph_order: dict[ir.Node, int], seeds: list[ir.Value], stop: ir.
 
 
 def _numpy(value: ir.Value) -> np.ndarray:
-    """The initializer's array as onnxruntime takes it (contiguous: a transposed view is copied, one layer's)."""
-    array = value.const_value.numpy()
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+    """The initializer's array as onnxruntime takes it (contiguous: a transposed view is copied, by torch's strided
+    copy: numpy's ran at about 0.2 GB/s on a 1B model's transposed fp32 weights, 1.5 s a layer)."""
+    from rope_export.files.tensor_stream import contiguous
+
+    return contiguous(value.const_value.numpy())
 
 
 class KindModel:
@@ -178,29 +191,30 @@ class KindModel:
             [ir.serde.serialize_value(v) for v in self.inputs],
             [ir.serde.serialize_value(v) for v in (first.hidden_out, *first.outputs)], inline)
         opsets = [onnx.helper.make_opsetid(d, v) for d, v in program_model.opset_imports.items()]
+        self.weights: dict[str, np.ndarray] | None = None
         self.session = session(onnx.helper.make_model(graph, opset_imports=opsets,
                                                       ir_version=program_model.ir_version))
 
-    def prepare(self, layer: StampedLayer, module: torch.nn.Module) -> Callable[[dict, np.ndarray], list[np.ndarray]]:
-        """For ``layer`` (its module ``module``): a function of (graph inputs by name, the hidden state) that runs it,
-        its own weights and per-layer inputs in place of the first layer's. LayerMismatch unless its nodes are the
-        first's (``same_structure``) and every weight it reads lies in ``module``'s parameters."""
+    def check(self, layer: StampedLayer, module: torch.nn.Module) -> None:
+        """LayerMismatch unless ``layer``'s nodes are the first's (``same_structure``), every weight it reads lies in
+        ``module``'s parameters (its module's) and it reads as its own nothing the first layer's model shares."""
         counterpart = same_structure(self.first, layer)
         _weights_within(layer, [v for v in counterpart.values() if v.is_initializer()], module)
         shared = [v.name for v in counterpart if v not in self.inputs]
         if shared:  # written into the model as the first layer's, while this layer reads its own
             raise LayerMismatch(f"stamped layer {layer.index} reads its own counterpart of {shared[0]}, a constant "
                                 f"layer {self.first.index} shares")
-        weights = {v.name: _numpy(counterpart.get(v, v)) for v in self.inputs[1:] if v.is_initializer()}
-        graph = {v.name: counterpart.get(v, v).name for v in self.inputs[1:] if not v.is_initializer()}
 
-        def run(given: dict[str, np.ndarray], hidden: np.ndarray) -> list[np.ndarray]:
-            missing = [name for name in graph.values() if name not in given]
-            if missing:
-                raise LayerMismatch(f"stamped layer {layer.index} reads {missing[0]}, which no input gives")
-            feeds = {self.first.hidden_in.name: hidden, **weights, **{k: given[v] for k, v in graph.items()}}
-            return self.session.run(None, feeds)
-        return run
+    def run(self, given: dict[str, np.ndarray], hidden: np.ndarray) -> list[np.ndarray]:
+        """The first layer's nodes on (graph inputs by name, the hidden state): its hidden state out and outputs."""
+        if self.weights is None:  # copied once, for the first layer's runs
+            self.weights = {v.name: _numpy(v) for v in self.inputs[1:] if v.is_initializer()}
+        missing = [v.name for v in self.inputs[1:] if not v.is_initializer() and v.name not in given]
+        if missing:
+            raise LayerMismatch(f"stamped layer {self.first.index} reads {missing[0]}, which no input gives")
+        feeds = {self.first.hidden_in.name: hidden, **self.weights,
+                 **{v.name: given[v.name] for v in self.inputs[1:] if not v.is_initializer()}}
+        return self.session.run(None, feeds)
 
 
 def _weights_within(layer: StampedLayer, weights: list[ir.Value], module: torch.nn.Module) -> None:
@@ -276,11 +290,13 @@ def ort_session(model: onnx.ModelProto, rename: Callable[[onnx.ModelProto], obje
 def prove_layers(program_model: ir.Model, stamped: list[StampedLayer], kinds: list[int], *,
                  layers: torch.nn.ModuleList, cases: list[Case],
                  eager: Callable[..., list[torch.Tensor]],
+                 first: tuple[int, ...] | None = None, later: tuple[int, ...] | None = None,
                  output_names: Callable[[int], list[str]] | None = None,
                  session: Callable[[onnx.ModelProto], object] | None = None,
                  seed: int = 0, progress: Callable[[str], None] | None = None) -> Proof:
     """Every stamped layer of ``program_model`` against the model's own (see the module doc); LayerMismatch names
-    the first that differs. ``kinds``: each layer's kind (``stamping.group_layers``).
+    the first that differs. ``kinds``: each layer's kind (``stamping.group_layers``). ``first``/``later``: the
+    indices of the cases the first stamped layer of each kind and each later one run (default: every case).
     ``eager(index, hidden, case, weights_of=None)``: the model's layer ``index`` on case ``case``'s inputs with
     ``hidden`` as its hidden state in (``alone``, ``run_stopped``), as (hidden state out, *its own outputs in the
     order of ``StampedLayer.outputs``); with ``weights_of=L``: layer ``index``'s module computing with layer L's
@@ -294,27 +310,36 @@ def prove_layers(program_model: ir.Model, stamped: list[StampedLayer], kinds: li
     session = session or (reference_session if dtype == torch.bfloat16 else ort_session)
     graph_order = {node: i for i, node in enumerate(program_model.graph)}
     templates = templates_of(kinds)
-    say(f"comparing each of the {len(stamped)} stamped layers with the model's own, alone, in {len(cases)} cases")
+    first = tuple(range(len(cases))) if first is None else first
+    later = first if later is None else later
+    say(f"comparing each of the {len(stamped)} stamped layers with the model's own, alone, in "
+        f"{_how_many(len(first), len(later))}")
     worst, models = 0.0, {}
     with _threads(1):
         for layer in stamped:
             kind = kinds[layer.index]
-            first = kind not in models
-            if first:
+            is_first = kind not in models
+            if is_first:
                 models[kind] = KindModel(program_model, graph_order, layer, session)
-            run = models[kind].prepare(layer, layers[layer.index])
+            model = models[kind]
+            model.check(layer, layers[layer.index])
             names = ["hidden state", *(output_names(layer.index) if output_names else
                                        [v.name for v in layer.outputs])]
-            for n, case in enumerate(cases):
+            for n in first if is_first else later:
                 generator = torch.Generator().manual_seed(seed + 1000 * layer.index + n)
-                hidden = torch.randn(case.hidden_shape, generator=generator).to(dtype)
+                hidden = torch.randn(cases[n].hidden_shape, generator=generator).to(dtype)
                 expected = [numpy_of(t) for t in eager(layer.index, hidden, n)]
-                actual = run(case.feeds, numpy_of(hidden)) if first else \
+                actual = model.run(cases[n].feeds, numpy_of(hidden)) if is_first else \
                     [numpy_of(t) for t in eager(templates[kind], hidden, n, weights_of=layer.index)]
                 for what, a, e in zip(names, actual, expected, strict=True):
-                    worst = max(worst, _compare(layer.index, what, a, e, tolerance, case.label))
+                    worst = max(worst, _compare(layer.index, what, a, e, tolerance, cases[n].label))
+            model.weights = None  # the first layer's copies, no longer run
             _release(layers[layer.index])
-    return Proof(len(stamped), len(cases), worst, time.perf_counter() - start)
+    return Proof(len(stamped), len(first), worst, time.perf_counter() - start, len(later))
+
+
+def _how_many(first: int, later: int) -> str:
+    return f"{first} cases" if first == later else f"{first} cases (the first of each kind), {later} (the others)"
 
 
 @contextlib.contextmanager

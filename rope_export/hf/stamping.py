@@ -7,8 +7,9 @@ key/value pair per layer is stamped (recurrent and indexer caches: the full trac
 model is cut with its config (``reduced``); the rotations are counted in an eager forward of the
 traced layers and extended by kind (``census_per_kind``); and every stamped layer is proven against
 transformers' own (``prove_decoder_layers``: ``rope_export.hf.layer_proof`` with the model's
-forward run on ``CausalLMWithCache``'s inputs at two cache lengths, one on each side of the traced
-example's past+seq; with a KV buffer, the buffers holding that past).
+forward run on ``CausalLMWithCache``'s inputs: the first stamped layer of each kind at two cache lengths, one
+on each side of the traced example's past+seq, each later one once, at positions on both sides of it; with
+a KV buffer, the buffers holding that past).
 """
 
 from __future__ import annotations
@@ -41,9 +42,20 @@ from rope_export.hf.layer_proof import (
     run_stopped,
 )
 
-# (batch, seq, past) of the layer proof: past+seq 3 and 12 around the traced example's 7 ((2, 4, 3)); 12 is past the
-# quick zoo's sliding windows (4), so a sliding layer is proven past its window too
-PROOF_CASES = ((2, 2, 1), (2, 3, 9))
+
+def proof_cases(example: tuple[int, int, int]) -> tuple[tuple[int, int, int], ...]:
+    """(batch, seq, past) of the layer proof around the traced example's past+seq T (7 for export_hf's default
+    (2, 4, 3)): past 1 with 2 new tokens and past T+2 with 3 (past+seq 3 and T+5), the first stamped layer of
+    each kind's graph on either side of T (T+5 = 12 is past the quick zoo's sliding windows of 4, so a sliding
+    layer is proven past its window too); and for each later layer (``LATER_CASES``) one row, past 1 with T new
+    tokens: its queries see 2 to T+1 keys, on both sides of T and past those windows. One row of few tokens,
+    because a later layer's cost is its eager runs: at 2 rows of T+4 tokens a 1B fp32 layer's matrix products
+    cost 4 times as much as at 4 tokens (one thread, compute no longer hidden by reading the weights)."""
+    total = example[1] + example[2]
+    return (2, 2, 1), (2, 3, total + 2), (1, total, 1)
+
+
+FIRST_CASES, LATER_CASES = (0, 1), (2,)  # indices into proof_cases(): which the first layer of a kind, a later one run
 
 
 def decoder_layers(model) -> tuple[torch.nn.Module, str, torch.nn.ModuleList, str]:
@@ -141,20 +153,22 @@ def reduced(model, keep: int = 2) -> Iterator[str]:
 
 def prove_decoder_layers(program_model, model, layout, stamped: list[StampedLayer], kinds: list[int], *,
                          position_rank: int, attention_mask: bool = False, kv_buffer: bool = False, seed: int = 0,
+                         example: tuple[int, int, int],
                          progress: Callable[[str], None] | None = None) -> Proof:
     """Every stamped decoder layer of ``program_model`` against transformers' own (``layer_proof.prove_layers``)
-    at ``PROOF_CASES``; LayerMismatch names the first that differs."""
+    at ``proof_cases(example)`` (``example``: what was traced); LayerMismatch names the first that differs."""
     from rope_export.hf.cache_io import _slot_tensor
 
     _, _, layers, _ = decoder_layers(model)
     mask = attention_mask or kv_buffer
     names, _ = hf_io_names(layout, attention_mask=mask)
+    shapes = proof_cases(example)
     inputs = [hf_example_inputs(model, batch=b, seq=s, past=p, seed=seed + n, position_rank=position_rank,
-                                layout=layout, attention_mask=mask) for n, (b, s, p) in enumerate(PROOF_CASES)]
+                                layout=layout, attention_mask=mask) for n, (b, s, p) in enumerate(shapes)]
     fed = [_buffers(case) if kv_buffer else case for case in inputs]
     hidden = text_config(model.config).hidden_size
     cases = [Case({name: numpy_of(t) for name, t in zip(names, case, strict=True)}, (b, s, hidden),
-                  f"past {p}, {s} new tokens") for case, (b, s, p) in zip(fed, PROOF_CASES, strict=True)]
+                  f"past {p}, {s} new tokens") for case, (b, s, p) in zip(fed, shapes, strict=True)]
     wrapper = CausalLMWithCache(model, layout, attention_mask=mask)
 
     def eager(index: int, state: torch.Tensor, n: int, weights_of: int | None = None) -> list[torch.Tensor]:
@@ -186,7 +200,8 @@ def prove_decoder_layers(program_model, model, layout, stamped: list[StampedLaye
             return run(proto, rename=to_standard_ops)
     with model_state_kept(model):
         return prove_layers(program_model, stamped, kinds, layers=layers, cases=cases, eager=eager,
-                            output_names=outputs, session=session, seed=seed, progress=progress)
+                            first=FIRST_CASES, later=LATER_CASES, output_names=outputs, session=session, seed=seed,
+                            progress=progress)
 
 
 def _buffers(case: tuple) -> tuple:

@@ -117,7 +117,7 @@ def test_the_cli_says_which_trace_ran(tmp_path, capsys):
                  "--summary-json", str(summary)]) == 0
     trace = json.loads(summary.read_text())["trace"]
     assert trace.startswith("per-kind: 2 of 4 decoder layers traced and counted (1 kind(s)), 2 stamped")
-    assert "each stamped layer equal to the model's own in 2 cases" in trace
+    assert "each stamped layer equal to the model's own (the first of each kind in 2 cases, the others in 1)" in trace
     assert f"trace: {trace}" in capsys.readouterr().out
 
 
