@@ -134,13 +134,18 @@ def test_the_plan_runs_every_node_once_in_order_within_the_budget(parts):
 
 
 def test_cuts_fall_between_layers_without_reading_names():
-    """With a third of the weights per piece, each cut lands where a decoder layer (or the final norm) begins:
-    where the fewest values cross."""
+    """With a third of the weights per piece, each cut lands where a decoder layer (or the final norm) begins,
+    or between the final norm and the head: where the fewest values cross."""
     graph = llama_3_layers_fp16().graph
     pieces = plan_pieces(graph, session_bytes(graph) // 3 + 1)
     assert len(pieces) >= 3
+    made_by = {out: node for node in graph.node for out in node.output}
+    last_norm = max(k for k, node in enumerate(graph.node) if node.op_type == "RMSNormalization")
     for piece in pieces[1:]:
-        assert graph.node[piece.nodes[0]].op_type == "RMSNormalization"
+        first = graph.node[piece.nodes[0]]
+        if first.op_type != "RMSNormalization":  # the head alone, reading only the final norm's output
+            assert piece is pieces[-1] and piece.inputs == [graph.node[last_norm].output[0]]
+            assert made_by[first.input[0]] is graph.node[last_norm]
 
 
 # -- equal to one session ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rope_export.kernels import backend as kernels
-from rope_export.kernels import cuda, plugin
+from rope_export.kernels import cpu_twin, cuda
 from rope_export.kernels.libraries import plugin_dir
 from rope_export.op import reference
 from rope_export.op.tolerances import tolerance
@@ -70,7 +70,7 @@ def test_every_variant_matches_the_reference(dtype, cache_dtype, interleaved, la
         half = (rd or head_dim) // 2
         vector_possible = half % (vec // 2 if interleaved else vec) == 0 and (head_dim - (rd or head_dim)) % vec == 0
         assert plan.vectorized == (vector_possible and not force_scalar)
-        twin, twin_plan = plugin.run(*cpu, interleaved=interleaved, force_scalar=force_scalar, **attrs)
+        twin, twin_plan = cpu_twin.run(*cpu, interleaved=interleaved, force_scalar=force_scalar, **attrs)
         assert twin_plan == plan  # the GPU launched the grid the twin walked
         assert tolerance("op", str(dtype)).allclose(out.cpu().float(), twin.float())
 
@@ -111,7 +111,7 @@ def test_the_binding_picks_the_backend_by_device():
     assert on_gpu.device.type == "cuda" and on_cpu.device.type == "cpu" and gpu_plan == cpu_plan
     assert tolerance("op", "float16").allclose(on_gpu.cpu().float(), on_cpu.float())
     with pytest.raises(ValueError, match="rope_export.kernels.cuda.rotary_embedding"):
-        plugin.run(*dev, **attrs)
+        cpu_twin.run(*dev, **attrs)
 
 
 def test_q_and_k_in_one_launch_equal_two_launches():
