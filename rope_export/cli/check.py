@@ -130,14 +130,15 @@ def _run_folder(args, runners, console) -> int:
     """``rope-export check OUT_DIR/``: exit 0 when every component and the pipeline pass, 1 otherwise."""
     from rope_export.check.model_file import CheckError
     from rope_export.check.report import write_reports
-    from rope_export.check.vlm_folder import check_folder, print_folder_report
+    from rope_export.check.vlm_folder import check_folder, folder_verdict_line, print_folder_report
     from rope_export.common.steps import cli_steps
 
     given = [name for name in FOLDER_OPTIONS if getattr(args, name, None) not in (None, False)]
     if given:
         raise CheckError(f"--{given[0].replace('_', '-')} is for one file; check a component file of the folder "
                          "with it")
-    with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
+    verbose = getattr(args, "verbose", False)  # the time per step: with --verbose only
+    with cli_steps(console, "check: time and peak RSS per step", args.summary_json, table=verbose) as progress:
         report = check_folder(args.model, runners, weights=args.weights, seed=args.seed,
                               random_weights=args.random_weights, sweep=not args.no_sweep, plugin_library=args.plugin,
                               progress=progress)
@@ -146,7 +147,7 @@ def _run_folder(args, runners, console) -> int:
         for name, component in report.components.items():
             for path in write_reports(component, Path(args.report) / name):
                 console.print(f"wrote {path}")
-    if not report.passed:
-        print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
-        return 1
-    return 0
+    if not report.passed:  # what failed, on stderr (the report and its verdict are stdout's)
+        print(f"rope-export check: {report.failure_message()}", file=sys.stderr, flush=True)
+    console.print(folder_verdict_line(report), markup=False, highlight=False, soft_wrap=True)  # the last line
+    return 0 if report.passed else 1
