@@ -26,6 +26,7 @@ from rope_export.blocks.check import check_on_onnxruntime
 from rope_export.blocks.export import ModuleExportResult, export_module
 from rope_export.common.fileio import check_writable
 from rope_export.diffusion.recipes import OTHER, TRACED, Denoiser, Inputs, LatentSize, Recipe, inputs_at, recipe_for
+from rope_export.diffusion.trace_patches import traceable
 from rope_export.exporting.core import DTYPES, METADATA_PREFIX
 from rope_export.files import onnx_files
 
@@ -122,18 +123,20 @@ def export_diffusers(
     notes: list[str] = []
     say(f"{type(model).__name__}: family {recipe.name}, traced at {traced.describe()}")
     static: frozenset[str] = frozenset()
-    while True:  # an axis diffusers' own code specialises is made static, said in a note, and the export retried
-        try:
-            result = export_module(wrapper, args, dynamic_shapes=dynamic_shapes(inputs, recipe, static),
-                                   input_names=names, output_names=[OUTPUT_NAME], opset=opset,
-                                   allow_decomposed=allow_decomposed, progress=say, verbose=verbose)
-            break
-        except Exception as exc:  # noqa: BLE001 - only torch.export's "Constraints violated (AXIS)" is retried
-            found = _specialised_axes(exc) - static
-            if not found:
-                raise
-            static |= found
-            say(f"torch.export finds diffusers' code specialises {', '.join(sorted(found))}: exporting it static")
+    with traceable(model) as patch_notes:  # diffusers' own forward again for the comparison below
+        notes += patch_notes
+        while True:  # an axis diffusers' own code specialises is made static, said in a note, and the export retried
+            try:
+                result = export_module(wrapper, args, dynamic_shapes=dynamic_shapes(inputs, recipe, static),
+                                       input_names=names, output_names=[OUTPUT_NAME], opset=opset,
+                                       allow_decomposed=allow_decomposed, progress=say, verbose=verbose)
+                break
+            except Exception as exc:  # noqa: BLE001 - only torch.export's "Constraints violated (AXIS)" is retried
+                found = _specialised_axes(exc) - static
+                if not found:
+                    raise
+                static |= found
+                say(f"torch.export finds diffusers' code specialises {', '.join(sorted(found))}: exporting it static")
     static |= _static_in_file(result.ir_model, inputs)  # torch.onnx may specialise an axis without a word
     if static:
         other = replace(other, **{f: getattr(traced, f) for axis in static for f in SIZE_FIELDS[axis]})
