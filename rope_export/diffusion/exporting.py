@@ -1,13 +1,15 @@
 """``export_diffusers``: a diffusers denoising transformer to ONNX, one rotary node per rotation.
 
 The transformer is called through its family's recipe (``recipes.py``: the inputs at a latent size and their
-dynamic axes) and exported with ``export_module`` (``rope_export.blocks``), which counts the rotations of one
-eager forward, routes the rotary functions it verifies through the op, fuses every rotation left in the
-traced graph (diffusers' ``apply_rotary_emb`` in its interleaved and rotate-half spellings, Wan's and
-LTX-Video's own, Lumina 2's complex product: all found by what they compute), and refuses a file with
-fewer rotary nodes than rotations. Then the file, lowered to ``onnx``, is run on onnxruntime against the
-transformer at a second latent size that no axis of was traced (``recipes.OTHER``), and written with the
-metadata ``rope-export check`` rebuilds the transformer from (``rope_export.check.diffusers_reference``).
+dynamic axes) and exported with ``export_module`` (``rope_export.blocks``; a forward torch.export cannot trace,
+Lumina 2's, is replaced while tracing only by one computing the same values with tensor ops: ``trace_patches.py``),
+which counts the rotations of one eager forward, routes the rotary functions it verifies through the op, fuses
+every rotation left in the traced graph (diffusers' ``apply_rotary_emb`` in its interleaved and rotate-half
+spellings, Wan's and LTX-Video's own, Lumina 2's complex product: all found by what they compute), and refuses a
+file with fewer rotary nodes than rotations. Then the file, lowered to ``onnx``, is run on onnxruntime against the
+transformer (diffusers' own forward) at a second latent size that no axis of was traced (``recipes.OTHER``), and
+written with the metadata ``rope-export check`` rebuilds the transformer from
+(``rope_export.check.diffusers_reference``).
 """
 
 from __future__ import annotations
