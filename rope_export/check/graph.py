@@ -204,8 +204,13 @@ def rotary_slices(mf: ModelFile) -> tuple[list[RotarySlice], list[str]]:
         except _TooBig as why:
             notes.append(f"{rn.label}: not run alone, {why}")
             continue
-        floats = sorted(s.name for s in mf.inputs if s.name in inputs and s.is_float)
-        if floats:  # an audio encoder's positions follow its input's length through convolutions: not a sweep's axis
+        # An audio encoder's positions follow its input's length through convolutions (X's length is another
+        # symbol): not a sweep's axis. A float input whose lengths are X's own (positions = arange over its
+        # sequence) is swept like a positions input.
+        x_symbols = {d for d in x.dims if isinstance(d, str)}
+        floats = sorted(s.name for s in mf.inputs if s.name in inputs and s.is_float
+                        and (s.dims is None or not {d for d in s.dims if isinstance(d, str)} <= x_symbols))
+        if floats:
             notes.append(f"{rn.label}: not run alone, its positions come from the length of {', '.join(floats)} "
                          "through the model's own arithmetic; the cases cover it")
             continue
