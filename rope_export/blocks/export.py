@@ -194,6 +194,9 @@ def export_module(
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
     model = fuse(program.model, report=fusion, adopt_standard=True)  # in place: no copy of the weights
+    from rope_export.exporting.precision import state_norm_precision
+
+    state_norm_precision(model)  # float32 norm statistics in the types, not only in stash_type
     if output is None:
         if onnx_files.weight_bytes(model) < onnx_files.EXTERNAL_DATA_THRESHOLD:
             onnx.checker.check_model(ir.to_proto(model), full_check=True)

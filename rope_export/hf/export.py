@@ -42,6 +42,7 @@ from rope_export.exporting.core import (
     graph_proto,
     rename_dynamic_dims,
 )
+from rope_export.exporting.precision import state_norm_precision
 from rope_export.exporting.torch_onnx import quiet_exporter
 from rope_export.hf.cache_io import (
     AttentionWithCache,
@@ -375,6 +376,7 @@ def export_hf(
         if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
             _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
     description = _describe(hook, fallback)
+    state_norm_precision(program.model)  # float32 norm statistics in the types (rope_export.exporting.precision)
     onnx_model = graph_proto(program)  # the graph to edit; the weights stay in torch until finish_export
     _check_dynamic(onnx_model, fam.position_rank)
     _name_dims(onnx_model, fam.position_rank, layout, attention_mask or kv_buffer)
