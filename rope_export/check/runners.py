@@ -152,8 +152,9 @@ def _onnxruntime(mf: ModelFile, name: str, kinds: set[str], limits: Limits):
     if "trt-plugin" in kinds:
         raise Skip("onnxruntime cannot run the TensorRT plugin node; use cpu-twin or tensorrt for this file")
     if any(s.elem_type == onnx.TensorProto.BFLOAT16 for s in mf.inputs):
-        raise Skip("onnxruntime's Python API takes no bfloat16 inputs (NumPy has no bfloat16 it converts); use "
-                   "onnx-reference, cpu-twin or tensorrt for this file")
+        from rope_export.check.runner_support import bfloat16_skip_reason
+
+        raise Skip(bfloat16_skip_reason(mf))
     provider = "CUDAExecutionProvider" if name == "onnxruntime-cuda" else "CPUExecutionProvider"
     notes, model = [], None
     if "rope_export" in kinds:
