@@ -70,11 +70,13 @@ class LayerFault:
             exact = self.float32_first
             return (f"the file computes {exact.stage.name} in decoder layer {self.layer} differently from PyTorch, "
                     f"not only less precisely: made float32 it is still outside PyTorch's envelope there (error "
-                    f"{exact.error:.3g}, PyTorch's {exact.pytorch:.3g}, bound {exact.bound:.3g}; {self.runner}: "
-                    f"{numbers})")
+                    f"{exact.error:.3g}, PyTorch's {exact.pytorch:.3g}, bound {exact.bound:.3g}, case {exact.case})")
         confirmed = ("; made float32 the file stays within PyTorch's envelope there" if self.float32_checked else
                      "; not confirmed by running the file in float32 (it does not fit --max-in-memory or has contrib "
                      "ops)")
+        if not self.fault:
+            return (f"{op.stage.name} in decoder layer {self.layer} leaves PyTorch's envelope ({self.runner}: "
+                    f"{numbers}); the precision the file states there could not be read")
         if self.fault == "file":
             return (f"the file loses precision at {op.stage.name} in decoder layer {self.layer}: it states "
                     f"{op.stage.how}, PyTorch computes it in {op.pytorch_precision} ({self.runner}: {numbers}"
@@ -107,12 +109,13 @@ def _error_and_scale(actual, reference, scores: bool) -> tuple[float, float] | N
     got = _aligned(_as_float(actual), ref)
     if got is None:
         return None
-    keep = np.isfinite(ref) & np.isfinite(got)
+    keep = np.isfinite(ref)
     if scores:  # masked positions hold each precision's own "minus infinity"
         keep &= ref > MASKED
     if not keep.any():
         return 0.0, 0.0
-    diff = np.abs(got[keep] - ref[keep])
+    with np.errstate(invalid="ignore"):  # an inf or NaN where the reference is finite is an infinite error
+        diff = np.where(np.isfinite(got[keep]), np.abs(got[keep] - ref[keep]), np.inf)
     return float(diff.max()), float(np.sqrt(np.mean(ref[keep] ** 2)))
 
 
@@ -245,8 +248,9 @@ def look_into_layer(runner: str, mf, layer: int, cases, case_indices: list[int],
     order = [s.name for s in stages]
     defect = fault.float32_first is not None and order.index(fault.float32_first.stage.name) <= order.index(
         first.stage.name)
-    fault.fault = "file" if defect or BITS.get(first.stage.stated, 0) < BITS.get(first.pytorch_precision, 0) \
-        else "runner"
+    if defect or first.stage.stated:
+        below = BITS.get(first.stage.stated, 0) < BITS.get(first.pytorch_precision, 0)
+        fault.fault = "file" if defect or below else "runner"
     fault.defect = defect
     return fault
 

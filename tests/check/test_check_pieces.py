@@ -29,6 +29,7 @@ from rope_export.check.inputs import InputPlan, stress_cases  # noqa: E402
 from rope_export.check.model_file import ModelFile  # noqa: E402
 from rope_export.check.pieces import StreamedRunner, plan_pieces, session_costs, topological_order  # noqa: E402
 from rope_export.check.runners import Limits, Skip, make_runner, ort_cpu_bytes  # noqa: E402
+from rope_export.exporting.precision import MARK  # noqa: E402
 
 BASIC = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # no fusion of several nodes into one kernel
 
@@ -139,8 +140,10 @@ def test_cuts_fall_between_layers_without_reading_names():
     graph = llama_3_layers_fp16().graph
     pieces = plan_pieces(graph, session_bytes(graph) // 3 + 1)
     assert len(pieces) >= 3
-    for piece in pieces[1:]:
-        assert graph.node[piece.nodes[0]].op_type == "RMSNormalization"
+    for piece in pieces[1:]:  # the norm, whose float32 statistics begin with a Cast (exporting.precision)
+        first = graph.node[piece.nodes[0]]
+        assert first.op_type == "RMSNormalization" or (
+            first.op_type == "Cast" and any(p.key == MARK for p in first.metadata_props)), first
 
 
 # -- equal to one session ------------------------------------------------------------------------

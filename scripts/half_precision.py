@@ -1,0 +1,138 @@
+"""Half precision with trained-like statistics: check's per-layer worst ratios before and after the float32 steps.
+
+    .venv/bin/python scripts/half_precision.py --out /tmp/half [--size tiny|1b] [--dtypes fp16 bf16]
+        [--runners onnxruntime-cpu,onnx-reference,cpu-twin] [--max-in-memory GB]
+
+A Llama (the tests' tiny one: 2 layers, hidden 128; or Llama-3.2-1B-shaped: 16 layers, hidden 2048, vocab 128256)
+with random weights, given trained-like statistics by ``rope_export.hf.planting`` and saved with save_pretrained,
+is exported twice per dtype: **before**, the exporter with its float32 steps switched off (torchlib's softmax
+translation, torch.onnx's fused norm: what ``export --hf`` wrote before them), and **after**, as it is. Each file is
+checked on every runner; per runner the script prints its status, the worst ratio of its logits' error to the bound
+(``tolerances.against_pytorch``), the worst ratio after each decoder layer, the first layer outside PyTorch's
+envelope and, where check looked into it, which op and whose fault. ``results.json`` in ``--out`` has every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import time
+import warnings
+from pathlib import Path
+
+SIZES = {
+    "tiny": dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256),
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=True,
+               rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                    high_freq_factor=4.0, original_max_position_embeddings=8192)),
+}
+CASES = dict(batch=1, seq=16, past=4, long_seq=32, sweep=False)
+
+
+def planted_folder(size: str, dtype: str, out: Path) -> Path:
+    import torch
+    import transformers
+
+    from rope_export import hf
+    from rope_export.hf.planting import plant_trained_statistics
+
+    folder = out / f"planted-{size}-{dtype}"
+    if (folder / "config.json").is_file():
+        return folder
+    config = transformers.LlamaConfig(**SIZES[size], pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    model = hf.build_hf_model(config, dtype="fp32" if size == "tiny" else dtype, seed=0)
+    planted = plant_trained_statistics(model, seed=0)
+    print(f"planted: {planted.describe()}", flush=True)
+    model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]).save_pretrained(folder)
+    return folder
+
+
+@contextlib.contextmanager
+def float32_steps(on: bool):
+    """The exporter as it is (on), or with its float32 steps switched off (as it was before them)."""
+    from rope_export.exporting import precision
+    from rope_export.hf import exporting
+
+    saved = precision.translations, exporting.state_norm_precision
+    if not on:
+        precision.translations, exporting.state_norm_precision = (lambda: {}), (lambda model: 0)
+    try:
+        yield
+    finally:
+        precision.translations, exporting.state_norm_precision = saved
+
+
+def export(folder: Path, dtype: str, path: Path, steps: bool) -> None:
+    from rope_export import hf
+
+    if path.is_file():
+        return
+    with float32_steps(steps):
+        hf.export_hf(hf.build_hf_model(folder, dtype=dtype), path, weights=str(folder))
+
+
+def summary(report) -> list[dict]:
+    rows = []
+    for r in report.runners:
+        row = {"runner": r.runner, "status": r.status, "reason": r.reason if r.status == "skipped" else ""}
+        logits = [s.max_abs / s.bound for stats in r.cases.values() for s in stats
+                  if s.output == "logits" and s.bound]
+        outputs = [s.max_abs / s.bound for stats in r.cases.values() for s in stats if s.bound]
+        row["worst_logits_ratio"] = max(logits, default=None)
+        row["worst_output_ratio"] = max(outputs, default=None)
+        if r.layers is not None:
+            row["layer_ratios"] = [e / b for e, b in zip(r.layers.errors, r.layers.bounds, strict=True)]
+            row["first_layer_outside"] = r.layers.first_outside
+        if r.fault is not None:
+            row["op_by_op"] = r.fault.sentence()
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
+    parser.add_argument("--runners", default="onnxruntime-cpu,onnx-reference,cpu-twin")
+    parser.add_argument("--max-in-memory", type=float, default=None, help="GB of weights onnx.reference may load")
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from rope_export.check import check
+    from rope_export.common.fileio import atomic_write_text
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for dtype in args.dtypes:
+        folder = planted_folder(args.size, dtype, args.out)
+        for when, steps in (("before", False), ("after", True)):
+            path = args.out / f"{args.size}-{dtype}-{when}" / "model.onnx"
+            path.parent.mkdir(exist_ok=True)
+            started = time.perf_counter()
+            export(folder, dtype, path, steps)
+            print(f"{dtype} {when}: exported in {time.perf_counter() - started:.0f} s", flush=True)
+            started = time.perf_counter()
+            report = check(path, tuple(args.runners.split(",")), max_in_memory_gb=args.max_in_memory, **CASES,
+                           progress=lambda message: print(f"  {message}", flush=True))
+            rows = summary(report)
+            results[f"{dtype} {when}"] = {"passed": report.passed, "runners": rows, "notes": report.notes,
+                                          "check_seconds": time.perf_counter() - started}
+            print(f"\n{dtype} {when}: {'PASS' if report.passed else 'FAIL'} ({time.perf_counter() - started:.0f} s)")
+            for row in rows:
+                layers = ", ".join(f"{v:.2f}" for v in row.get("layer_ratios", []))
+                logits = row["worst_logits_ratio"]
+                print(f"  {row['runner']}: {row['status']}"
+                      + (f"; logits {logits:.2f} of the bound" if logits is not None else "")
+                      + (f"; per layer [{layers}]" if layers else "") + (f"; {row['reason']}" if row['reason'] else "")
+                      + (f"\n    {row['op_by_op']}" if row.get("op_by_op") else ""), flush=True)
+            atomic_write_text(args.out / "results.json", json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
