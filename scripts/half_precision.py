@@ -5,11 +5,12 @@
 
 A Llama (the tests' tiny one: 2 layers, hidden 128; or Llama-3.2-1B-shaped: 16 layers, hidden 2048, vocab 128256)
 with random weights, given trained-like statistics by ``rope_export.hf.planting`` and saved with save_pretrained,
-is exported twice per dtype: **before**, the exporter with its float32 steps switched off (torchlib's softmax
-translation, torch.onnx's fused norm: what ``export --hf`` wrote before them), and **after**, as it is. Each file is
-checked on every runner; per runner the script prints its status, the worst ratio of its logits' error to the bound
-(``tolerances.against_pytorch``), the worst ratio after each decoder layer, the first layer outside PyTorch's
-envelope and, where check looked into it, which op and whose fault. ``results.json`` in ``--out`` has every figure.
+is exported twice per dtype, after a few op-level figures (the softmax alone in half on each runner): **before**,
+the exporter with its float32 steps switched off (torchlib's softmax translation, torch.onnx's fused norm: what
+``export --hf`` wrote before them), and **after**, as it is. Each file is checked on every runner; per runner the
+script prints its status, the worst ratio of its logits' error to the bound (``tolerances.against_pytorch``), the
+worst ratio after each decoder layer, the first layer outside PyTorch's envelope and, where check looked into it,
+which op and whose fault. ``results.json`` in ``--out`` has every figure.
 """
 
 from __future__ import annotations
@@ -93,6 +94,37 @@ def summary(report) -> list[dict]:
     return rows
 
 
+def op_level() -> None:
+    """The softmax alone in half: onnxruntime's CPU kernel and NumPy (onnx.reference) against PyTorch's float32
+    softmax rounded once, on rows of 2048 logits (spread 3, a sink at 8); and a sum of 4096 terms of 1e-3 in
+    bfloat16 as NumPy (ml_dtypes) accumulates it."""
+    import ml_dtypes
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    shape = [2, 4, 64, 2048]
+    node = helper.make_node("Softmax", ["x"], ["y"], axis=-1)
+    graph = helper.make_graph([node], "softmax", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
+    session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+                                   .SerializeToString(), providers=["CPUExecutionProvider"])
+    x = (np.random.default_rng(0).standard_normal(shape) * 3).astype(np.float16)
+    x[..., 0] = 8
+    exact = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    exact /= exact.sum(-1, keepdims=True)
+    terms = np.exp(x - x.max(-1, keepdims=True))
+    runs = {"PyTorch (float32 softmax, rounded to float16)": exact.astype(np.float32).astype(np.float16),
+            "onnxruntime CPU, Softmax on float16": session.run(None, {"x": x})[0],
+            "NumPy as onnx.reference, Softmax on float16": terms / terms.sum(-1, keepdims=True)}
+    print("| softmax of float16 logits (rows of 2048) | max abs error against float64 |\n|---|---|")
+    for name, y in runs.items():
+        print(f"| {name} | {np.abs(y.astype(np.float64) - exact).max():.3g} |")
+    terms = np.full((1, 4096), 1e-3)
+    print(f"\nsum of 4096 x 1e-3: float64 {terms.sum():.4g}, NumPy float16 {terms.astype(np.float16).sum():.4g}, "
+          f"NumPy bfloat16 (ml_dtypes) {float(terms.astype(ml_dtypes.bfloat16).sum()):.4g}\n", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -107,6 +139,7 @@ def main(argv=None) -> int:
     from rope_export.common.fileio import atomic_write_text
 
     args.out.mkdir(parents=True, exist_ok=True)
+    op_level()
     results = {}
     for dtype in args.dtypes:
         folder = planted_folder(args.size, dtype, args.out)

@@ -303,10 +303,10 @@ def fault_lines(fault: LayerFault, markdown: bool) -> list[str]:
     lines = [f"{'- ' if markdown else ''}{fault.runner} op by op: {fault.sentence()}"]
     if markdown and fault.ops:
         lines += ["", f"Decoder layer {fault.layer} of {fault.runner}, op by op (each op's case closest to its bound):",
-                  "", "| op | case | runner error | PyTorch error | bound | the file states | PyTorch computes in |",
-                  "|---|---|---|---|---|---|---|"]
+                  "", "| op | case | runner error | PyTorch error | bound | within | the file states | "
+                  "PyTorch computes in |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {op.stage.name} | {op.case} | {op.error:.3g} | {op.pytorch:.3g} | {op.bound:.3g} | "
-                  f"{op.stage.how} | {op.pytorch_precision} |" + (" **outside**" if op.outside else "")
+                  f"{'**no**' if op.outside else 'yes'} | {op.stage.how} | {op.pytorch_precision} |"
                   for op in fault.ops]
         lines.append("")
     return lines

@@ -108,14 +108,14 @@ def _kind(path: str, nodes: list[onnx.NodeProto]) -> str:
     return "other"
 
 
-def _key_rotation(consumers: dict, value: str, layer: int) -> bool:
+def _key_rotation(graph, consumers: dict, value: str, layer: int) -> bool:
     """Whether ``value`` reaches present.<layer>.key within a few value-preserving hops (the keys' rotation)."""
     frontier = [value]
     for _ in range(5):
         if f"present.{layer}.key" in frontier:
             return True
-        frontier = [o for v in frontier for n in consumers.get(v, ())
-                    if n.op_type in ("Concat", "Identity", "Cast", "Transpose", "Reshape") for o in n.output]
+        frontier = [o for v in frontier for k in consumers.get(v, ()) if graph.node[k].op_type in
+                    ("Concat", "Identity", "Cast", "Transpose", "Reshape") for o in graph.node[k].output]
     return False
 
 
@@ -134,21 +134,21 @@ def _stages_of(graph, layer: int, positions: list[int], consumers: dict, produce
     by_path: dict[str, list[int]] = {}
     for k in positions:
         by_path.setdefault(_module_path(graph.node[k], layer), []).append(k)
-    found: list[tuple[int, Stage]] = []
+    found: list[tuple[float, Stage]] = []
     for path, members in by_path.items():
         if not path or any(other.startswith(path + ".") for other in by_path):
             continue  # the layer itself, or a module with modules inside: its leaves are the ops
-        inside = {id(graph.node[k]) for k in members}
+        inside = set(members)
         value = next((out for k in reversed(members) for out in graph.node[k].output if out and (
-            out in outputs or any(id(c) not in inside for c in consumers.get(out, ())))), None)
+            out in outputs or any(c not in inside for c in consumers.get(out, ())))), None)
         if value is not None:  # the value made last and read outside the module
             found.append((members[-1], _module_stage(path, [graph.node[k] for k in members], value, types)))
-    rotary = {id(rn.node): rn for rn in rotary_nodes(SimpleNamespace(node=[graph.node[k] for k in positions]))}
+    rotary = {rn.node.output[0]: rn for rn in rotary_nodes(SimpleNamespace(node=[graph.node[k] for k in positions]))}
     for k in positions:
         node = graph.node[k]
-        if id(node) in rotary:
-            rn = rotary[id(node)]
-            which = "k" if _key_rotation(consumers, node.output[0], layer) else "q"
+        if node.output and node.output[0] in rotary:
+            rn = rotary[node.output[0]]
+            which = "k" if _key_rotation(graph, consumers, node.output[0], layer) else "q"
             x_type = _type_name(types, rn.x)
             contract = rn.kind in CONTRACT_KINDS
             found.append((k, Stage(f"rotation ({which})", "rotation", node.output[0], f"rotation.{which}",
@@ -161,7 +161,7 @@ def _stages_of(graph, layer: int, positions: list[int], consumers: dict, produce
             scores = cast.input[0] if cast is not None and cast.op_type == "Cast" else node.input[0]
             computed = _type_name(types, scores)
             found.append((k - 0.5, Stage("attention scores", "scores", scores, "softmax.input", computed,
-                                         f"MatMul on {computed}")))
+                                         f"the scores computed in {computed}")))
             found.append((k, Stage("softmax", "softmax", node.output[0], "softmax.output", stated,
                                    f"Softmax on {stated}")))
     return [stage for _, stage in sorted(found, key=lambda item: item[0])]
@@ -169,12 +169,12 @@ def _stages_of(graph, layer: int, positions: list[int], consumers: dict, produce
 
 def all_layer_stages(graph: onnx.GraphProto, types) -> dict[int, list[Stage]]:
     """Every decoder layer's ops in graph order (module doc). ``types(name)``: a value's TensorSpec."""
-    consumers: dict[str, list[onnx.NodeProto]] = {}
+    consumers: dict[str, list[int]] = {}  # value -> positions of the nodes that read it
     producers: dict[str, onnx.NodeProto] = {}
     positions: dict[int, list[int]] = {}
     for k, node in enumerate(graph.node):
         for i in node.input:
-            consumers.setdefault(i, []).append(node)
+            consumers.setdefault(i, []).append(k)
         for out in node.output:
             producers[out] = node
         layer = _layer_of(node)
