@@ -56,7 +56,7 @@ def planted_folder(size: str, dtype: str, out: Path) -> Path:
 def float32_steps(on: bool):
     """The exporter as it is (on), or with its float32 steps switched off (as it was before them)."""
     from rope_export.exporting import precision
-    from rope_export.hf import exporting
+    from rope_export.hf import export as exporting
 
     saved = precision.translations, exporting.state_norm_precision
     if not on:

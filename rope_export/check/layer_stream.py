@@ -237,7 +237,7 @@ class LayerStream:
         """Layer ``index`` once more on each of ``cases`` (indices), per precision, from its input in that
         precision's run and with a fresh cache holding the feeds' past; ``recording(layer)`` is a context manager
         yielding a dict it fills while the layer runs. Returns [precision][case] -> that dict."""
-        from rope_export.runtimes.runners import to_torch
+        from rope_export.runtimes.contract_runners import to_torch
 
         tensors = self.weights.layer(index)
         results = []
