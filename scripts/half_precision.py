@@ -31,7 +31,9 @@ SIZES = {
                rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
                                     high_freq_factor=4.0, original_max_position_embeddings=8192)),
 }
-CASES = dict(batch=1, seq=16, past=4, long_seq=32, sweep=False)
+CASES = {"tests": dict(batch=1, seq=16, past=4, long_seq=32, sweep=False),  # the tests' (tests/planted.py)
+         "small": dict(batch=1, seq=4, past=2, long_seq=8, sweep=False)}  # NumPy's float16 MatMul: 0.04 GMAC/s here
+SINKS = {"tiny": 0.125, "1b": 0.25}  # share of token ids that are sinks: the small cases' 19 tokens hold some
 
 
 def planted_folder(size: str, dtype: str, out: Path) -> Path:
@@ -46,7 +48,7 @@ def planted_folder(size: str, dtype: str, out: Path) -> Path:
         return folder
     config = transformers.LlamaConfig(**SIZES[size], pad_token_id=None, bos_token_id=None, eos_token_id=None)
     model = hf.build_hf_model(config, dtype="fp32" if size == "tiny" else dtype, seed=0)
-    planted = plant_trained_statistics(model, seed=0)
+    planted = plant_trained_statistics(model, seed=0, sink_fraction=SINKS[size])
     print(f"planted: {planted.describe()}", flush=True)
     model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]).save_pretrained(folder)
     return folder
@@ -132,6 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
     parser.add_argument("--runners", default="onnxruntime-cpu,onnx-reference,cpu-twin")
     parser.add_argument("--max-in-memory", type=float, default=None, help="GB of weights onnx.reference may load")
+    parser.add_argument("--cases", choices=sorted(CASES), default="tests", help="check's case sizes")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -150,8 +153,8 @@ def main(argv=None) -> int:
             export(folder, dtype, path, steps)
             print(f"{dtype} {when}: exported in {time.perf_counter() - started:.0f} s", flush=True)
             started = time.perf_counter()
-            report = check(path, tuple(args.runners.split(",")), max_in_memory_gb=args.max_in_memory, **CASES,
-                           progress=lambda message: print(f"  {message}", flush=True))
+            report = check(path, tuple(args.runners.split(",")), max_in_memory_gb=args.max_in_memory,
+                           progress=lambda message: print(f"  {message}", flush=True), **CASES[args.cases])
             rows = summary(report)
             results[f"{dtype} {when}"] = {"passed": report.passed, "runners": rows, "notes": report.notes,
                                           "check_seconds": time.perf_counter() - started}

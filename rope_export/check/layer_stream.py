@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rope_export.check.layer_weights import decoder_layers
+from rope_export.check.layer_weights import decoder_layers, to_meta
 
 
 class _Stop(Exception):
@@ -72,13 +72,6 @@ def _set_all(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dt
             same = tensor.dtype == dtype or not tensor.is_floating_point()
             converted[id(tensor)] = tensor if same else tensor.to(dtype)
         _set(model, name, converted[id(tensor)], dtype)
-
-
-def _unset(module: nn.Module) -> None:
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and param.device.type != "meta":
-                sub._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
 
 def _tie(model: nn.Module) -> None:
@@ -226,11 +219,12 @@ class LayerStream:
             for run in runs:
                 _set_all(run.model, tensors, run.dtype)
                 run.run_layer(index)
-                _unset(run.layers[index])
+                to_meta(run.layers[index])
             del tensors
         results = [run.finish() for run in runs]
         for run in runs:
-            _unset(run.model)
+            to_meta(run.model)
+        getattr(weights, "release_outside", lambda: None)()  # kept for rerun_layer: only what redraws a layer
         return results
 
     def rerun_layer(self, index: int, cases: list[int], recording) -> list[list[dict]]:
@@ -253,7 +247,7 @@ class LayerStream:
                         run.layers[index](hidden, *args, **kwargs)
                     per_case.append(values)
                 results.append(per_case)
-                _unset(run.layers[index])
+                to_meta(run.layers[index])
         finally:
             del tensors
         return results
