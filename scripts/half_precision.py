@@ -135,6 +135,9 @@ def main(argv=None) -> int:
     parser.add_argument("--runners", default="onnxruntime-cpu,onnx-reference,cpu-twin")
     parser.add_argument("--max-in-memory", type=float, default=None, help="GB of weights onnx.reference may load")
     parser.add_argument("--cases", choices=sorted(CASES), default="tests", help="check's case sizes")
+    parser.add_argument("--memory-limit", type=float, default=None, help="check's --memory-limit GB")
+    parser.add_argument("--when", nargs="+", default=["before", "after"], choices=["before", "after"],
+                        help="which exports to check (one process each keeps each peak RSS its own)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -143,10 +146,13 @@ def main(argv=None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     op_level()
-    results = {}
+    saved = args.out / "results.json"
+    results = json.loads(saved.read_text()) if saved.is_file() else {}
     for dtype in args.dtypes:
         folder = planted_folder(args.size, dtype, args.out)
         for when, steps in (("before", False), ("after", True)):
+            if when not in args.when:
+                continue
             path = args.out / f"{args.size}-{dtype}-{when}" / "model.onnx"
             path.parent.mkdir(exist_ok=True)
             started = time.perf_counter()
@@ -154,7 +160,8 @@ def main(argv=None) -> int:
             print(f"{dtype} {when}: exported in {time.perf_counter() - started:.0f} s", flush=True)
             started = time.perf_counter()
             report = check(path, tuple(args.runners.split(",")), max_in_memory_gb=args.max_in_memory,
-                           progress=lambda message: print(f"  {message}", flush=True), **CASES[args.cases])
+                           memory_limit_gb=args.memory_limit, **CASES[args.cases],
+                           progress=lambda message: print(f"  {message}", flush=True))
             rows = summary(report)
             results[f"{dtype} {when}"] = {"passed": report.passed, "runners": rows, "notes": report.notes,
                                           "check_seconds": time.perf_counter() - started}
