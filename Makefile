@@ -21,7 +21,7 @@ TRT_LEAN10_DIR := build/trt-lean-10
 export TENSORRT_INCLUDE_DIR
 export TENSORRT_EXTRA_INCLUDE_DIRS := $(TENSORRT10_INCLUDE_DIR)
 
-.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-zoo-version lint clean
+.PHONY: setup plugin trt-lean demo test test-slow test-latest test-oldest lock hf-zoo hf-task-zoo hf-zoo-version lint clean vlm-zoo diffusers-zoo
 
 # Every install reads the lock (requirements/lock.txt): a fresh clone next month installs what passed
 # today. The build backend comes from the lock too (--no-build-isolation), so nothing unpinned is installed.
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet --constraint requirements/lock.txt "$(TORCH_SPEC)" setuptools
-	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve]'
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve,diffusers]'
 	touch $@
 
 setup: $(STAMP)
@@ -43,7 +43,7 @@ plugin: setup
 	$(PY) -m rope_export.cli build-plugin --werror --cuda-archs $(CUDA_ARCHS)
 
 $(VENV)/.trt-lean: $(STAMP)
-	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve,trt-lean]'
+	$(PY) -m pip install --quiet --constraint requirements/lock.txt --no-build-isolation -e '.[dev,serve,diffusers,trt-lean]'
 	touch $@
 
 $(TRT_LEAN10_DIR)/.installed: $(STAMP)
@@ -97,7 +97,7 @@ LATEST_VENV ?= .venv-latest
 test-latest:
 	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" setuptools
-	$(LATEST_VENV)/bin/python -m pip install --quiet --no-build-isolation -e '.[dev,serve]'
+	$(LATEST_VENV)/bin/python -m pip install --quiet --no-build-isolation -e '.[dev,serve,diffusers]'
 	$(LATEST_VENV)/bin/python -m rope_export.cli build-plugin
 	mkdir -p build; status=0; ROPE_EXPORT_NO_LOCK=1 $(LATEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --junitxml build/latest-junit.xml \
 		|| status=$$?; $(LATEST_VENV)/bin/python scripts/versions.py drift build/latest-junit.xml; exit $$status
@@ -112,7 +112,8 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint requirements/oldest.txt "$(TORCH_SPEC)" setuptools
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint requirements/oldest.txt --no-build-isolation -e '.[dev]'
 	$(OLDEST_VENV)/bin/python -m rope_export.cli build-plugin
-	ROPE_EXPORT_NO_LOCK=1 $(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/hf/test_hf_zoo.py
+	ROPE_EXPORT_NO_LOCK=1 $(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/hf/test_hf_zoo.py \
+		--ignore=tests/hf/test_hf_task_zoo.py
 
 # Re-record every zoo type (tests/hf/hf_zoo_results.json) and re-render docs/transformers.md's zoo table, and the
 # locked transformers' row of the version table.
@@ -121,6 +122,29 @@ hf-zoo: setup plugin
 	HF_ZOO_RECORD=build/hf_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_zoo.py || true
 	$(PY) tests/hf/hf_zoo_table.py build/hf_zoo.jsonl
 	$(PY) tests/hf/hf_zoo_versions.py build/hf_zoo.jsonl "$$($(PY) -c 'import transformers; print(transformers.__version__)')" whole
+
+# Re-record every type of the task zoo (tests/hf/hf_task_zoo_results.json) and re-render docs/tasks.md's table.
+hf-task-zoo: setup plugin
+	rm -f build/hf_task_zoo.jsonl && mkdir -p build
+	HF_TASK_ZOO_RECORD=build/hf_task_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_hf_task_zoo.py \
+		-k test_task_zoo_type || true
+	$(PY) tests/hf/hf_task_zoo_table.py build/hf_task_zoo.jsonl
+
+# The VLM zoo (tests/hf/test_vlm_zoo.py): every image-text-to-text type, recorded and rendered into
+# docs/vision-language.md.
+vlm-zoo: setup plugin
+	rm -f build/vlm_zoo.jsonl && mkdir -p build
+	VLM_ZOO_RECORD=build/vlm_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/hf/test_vlm_zoo.py -k type_as || true
+	$(PY) tests/hf/vlm_zoo_table.py build/vlm_zoo.jsonl
+
+# Re-record every class of the diffusers zoo (tests/diffusion/diffusers_zoo_results.json): the counts, then the
+# exports of the classes that rotate; and re-render docs/diffusers.md's zoo table.
+diffusers-zoo: setup plugin
+	rm -f build/diffusers_zoo.jsonl && mkdir -p build
+	DIFFUSERS_ZOO_RECORD=build/diffusers_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/diffusion/test_diffusers_zoo.py -k census || true
+	$(PY) tests/diffusion/diffusers_zoo_table.py build/diffusers_zoo.jsonl
+	DIFFUSERS_ZOO_RECORD=build/diffusers_zoo.jsonl $(PY) -m pytest -q -m "slow or not slow" tests/diffusion/test_diffusers_zoo.py -k exports || true
+	$(PY) tests/diffusion/diffusers_zoo_table.py build/diffusers_zoo.jsonl
 
 # The quick zoo (make test's third of it) on another transformers release, for docs/versions.md's version
 # table: make hf-zoo-version TRANSFORMERS=5.0.0. No lock (pip picks what that release needs), own venv.

@@ -81,7 +81,7 @@ def resolve_newest(workdir: Path) -> dict[str, str]:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     _pip(python, "install", "--quiet", TORCH_SPEC, "setuptools")
-    _pip(python, "install", "--quiet", "--no-build-isolation", "-e", f"{ROOT}[dev,serve,trt-lean]")
+    _pip(python, "install", "--quiet", "--no-build-isolation", "-e", f"{ROOT}[dev,serve,diffusers,trt-lean]")
     pins = {}
     for line in _pip(python, "freeze", "--all", "--exclude-editable").splitlines():
         if "==" in line:

@@ -230,6 +230,36 @@ class PerHeadComplex(nn.Module):
         return rot(q), rot(k)
 
 
+class GatheredAxes(nn.Module):
+    """Lumina 2's spelling (diffusers' ``Lumina2RotaryPosEmbed``): one complex table per position axis, its rows
+    gathered by the axis' ids ``repeat``ed over its frequencies from the table ``repeat``ed over the batch, the
+    axes joined, copied into a complex ``zeros`` buffer by a slice assignment, and multiplied as Meta's."""
+
+    layout = "bshd"
+
+    def __init__(self):
+        super().__init__()
+        for i, d in enumerate((4, 6, 6)):  # 2 + 3 + 3 = D/2 frequencies (Lumina 2 holds a list: not exportable)
+            self.register_buffer(f"table{i}", titan_precompute_freqs_cis(d, MAX_POS), persistent=False)
+
+    def forward(self, q, k, pos):
+        ids = torch.stack([pos, pos // 2, pos % 3], dim=-1)  # [B, S, 3]: a text axis and a 2-D grid, say
+        parts = []
+        for i, table in enumerate((self.table0, self.table1, self.table2)):
+            index = ids[:, :, i : i + 1].repeat(1, 1, table.shape[-1])
+            parts.append(torch.gather(table.unsqueeze(0).repeat(index.shape[0], 1, 1), dim=1, index=index))
+        joined = torch.cat(parts, dim=-1)
+        freqs = torch.zeros(*joined.shape, dtype=joined.dtype)
+        freqs[:, : joined.shape[1]] = joined
+        freqs = freqs.unsqueeze(2)
+
+        def rot(x):
+            xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+
+        return rot(q), rot(k)
+
+
 # -- planted: what a naive fusion would get wrong ---------------------------------------------------------
 
 
@@ -281,6 +311,7 @@ COMPLEX_FORMS = {
     "llama4_indexed": (Llama4Indexed, False),
     "heads_first": (HeadsFirst, False),
     "per_head_complex": (PerHeadComplex, False),
+    "gathered_axes": (GatheredAxes, False),
 }
 PLANTED = {
     "conjugated": Conjugated,

@@ -156,6 +156,26 @@ class PairsStack(nn.Module):
         return rot(q), rot(k)
 
 
+class StridedWrites(nn.Module):
+    """Wan's spelling: the pairs rotated one by one and written into an empty buffer by strided slices
+    (``out[..., 0::2] = x1*c - x2*s``), inside a function defined anew on every call (no hook reaches it)."""
+
+    layout = "bshd"
+
+    def forward(self, q, k, pos):
+        a = angles(pos)[:, :, None, :]
+        cos, sin = a.cos().repeat_interleave(2, -1), a.sin().repeat_interleave(2, -1)
+
+        def rot(x, c, s):
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            out = torch.empty_like(x)
+            out[..., 0::2] = x1 * c[..., 0::2] - x2 * s[..., 1::2]
+            out[..., 1::2] = x1 * s[..., 1::2] + x2 * c[..., 0::2]
+            return out
+
+        return rot(q, cos, sin), rot(k, cos, sin)
+
+
 class ComplexPolar(nn.Module):
     """view_as_complex times torch.polar(1, angles) computed from the positions."""
 
@@ -490,6 +510,7 @@ FORMS: dict[str, Form] = {
     "per_head_interleaved_partial": Form(PerHeadInterleavedPartial, 2, True, partial=True),
     "per_head_stack": Form(PerHeadStack, 2, True),
     "per_head_pairs": Form(PerHeadPairs, 2, False),
+    "strided_writes": Form(StridedWrites, 2, True),
 }
 
 # rotations the op cannot express: counted, left decomposed, and said so

@@ -84,8 +84,10 @@ class BenchConfig:
     scale_keep: bool = False
     scale_check: bool = True
     scale_dtype: str = "fp16"
-    scale_builder: bool = True  # onnxruntime-genai's model builder beside export --hf, when installed
-    scale_per_kind: bool = False  # also export --hf --trace per-kind
+    scale_builder: bool = True  # the graph builders (onnxruntime-genai's, mobius) beside export --hf, when installed
+    scale_full_trace: bool = False  # also export --hf --trace full
+    scale_package: bool = True  # also package genai --hf
+    scale_cold: bool = False  # drop the page cache before every step (root)
     commands: tuple[str, ...] = ()  # section cli: the command line's commands, each --help timed
 
     @classmethod
@@ -155,7 +157,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "scale": lambda: scale.run_section(config.scale_sizes, Path(config.scale_dir or "out/bench/scale-work"),
                                            dtype=config.scale_dtype, reps=config.scale_reps, keep=config.scale_keep,
                                            check=config.scale_check, builder=config.scale_builder,
-                                           per_kind=config.scale_per_kind, say=say),
+                                           full_trace=config.scale_full_trace, package=config.scale_package,
+                                           cold=config.scale_cold, say=say),
         "cli": lambda: cli_startup.run_section(config.mode, say, config.commands),
     }
     for name in SECTIONS:

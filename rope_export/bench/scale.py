@@ -37,7 +37,6 @@ import os
 import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -47,20 +46,23 @@ from pathlib import Path
 from rope_export.bench.scale_peers import (
     BUILDER,
     COPY,
-    PER_KIND,
+    FULL_TRACE,
+    MOBIUS,
+    PACKAGE,
+    PEERS,
     builder_command,
     builder_missing,
     copy_command,
-    write_rate,
+    mobius_command,
+    mobius_missing,
 )
+from rope_export.bench.scale_ratios import RSS_GOAL, TIME_GOAL, goals, ratios  # noqa: F401 - the section's API
 from rope_export.check.runners import PIECE_LIMIT
 from rope_export.common.bounds import format_bytes
 from rope_export.files.onnx_files import data_path
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
-CHECK_PER_KIND = "check per-kind"  # rope-export check of the --trace per-kind file
-RSS_GOAL = 1.3  # peak RSS of export --hf over the weight bytes
-TIME_GOAL = 1.2  # wall time of export --hf over the plain export's
+CHECK_FULL = "check full trace"  # rope-export check of the --trace full file
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -70,12 +72,18 @@ _LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
 _LLAMA_8B = {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "head_dim": 128,
              "rope_parameters": {**_LLAMA3_ROPE, "factor": 8.0}}
 SIZES: dict[str, dict] = {
+    # deep and narrow: SmolLM-135M's shape (30 layers, hidden 576, 9 heads, 3 kv heads, tied), where the cost is layers
+    "135m": {**_LLAMA, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "head_dim": 64,
+             "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+             "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
     "1b": {**_LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
            "tie_word_embeddings": True, "rope_parameters": {**_LLAMA3_ROPE, "factor": 32.0}},
     "8b": {**_LLAMA_8B, "num_hidden_layers": 32, "tie_word_embeddings": False},
     "2gb": {**_LLAMA_8B, "num_hidden_layers": 3, "tie_word_embeddings": True},
 }
-SIZE_NAMES = {"1b": "Llama-3.2-1B shape", "8b": "Llama-3.1-8B shape", "2gb": "3 Llama-3.1-8B layers, tied embeddings"}
+SIZE_NAMES = {"135m": "SmolLM-135M shape (30 layers, hidden 576)", "1b": "Llama-3.2-1B shape",
+              "8b": "Llama-3.1-8B shape", "2gb": "3 Llama-3.1-8B layers, tied embeddings"}
 
 def write_config(size: str, folder: Path) -> Path:
     """``folder/config.json`` of ``size``; returns the folder."""
@@ -162,18 +170,23 @@ def _mem_available() -> int | None:
 
 # -- one step, one process ------------------------------------------------------------------
 
-def run_step(name: str, argv: list[str], log: Path, outputs: list[Path] = ()) -> dict:
-    """Run ``argv`` in a child process; its wall time, peak RSS (``ru_maxrss``), exit code and files.
+def run_step(name: str, argv: list[str], log: Path, outputs: list[Path] = (), *, cwd: Path | None = None,
+             cold: bool = False) -> dict:
+    """Run ``argv`` in a child process (in ``cwd``); its wall time, peak RSS (``ru_maxrss``), exit code and files.
 
     The page cache's dirty pages are written out first (``sync``, not timed): a step that writes gigabytes
-    would otherwise slow the next one down while the kernel writes them back."""
+    would otherwise slow the next one down while the kernel writes them back. ``cold``: the page cache is
+    dropped too (root only: ``/proc/sys/vm/drop_caches``), so the step reads its libraries and the checkpoint
+    from disk, as a user's first command after copying a model does."""
     from rope_export.files.onnx_files import output_files
 
     if hasattr(os, "sync"):
         os.sync()
+    if cold:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
     start = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:
@@ -197,33 +210,37 @@ def _tail(log: str, lines: int = 3) -> str:
 
 
 def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False, check: bool = True,
-             builder: bool = True, per_kind: bool = False, check_args: tuple[str, ...] = (),
-             say: Callable[[str], None] = lambda message: None,
+             builder: bool = True, full_trace: bool = False, package: bool = True, cold: bool = False,
+             check_args: tuple[str, ...] = (), say: Callable[[str], None] = lambda message: None,
              after_step: Callable[[str, list[Path]], None] | None = None) -> dict:
     """Every step of the scale benchmark on ``size`` in ``work``; the JSON-ready result.
 
-    ``builder``: also run onnxruntime-genai's model builder when it is installed (then every export
-    reads one ``save_pretrained`` folder, ``scale_peers``); its row says why when it cannot run.
-    ``per_kind``: also ``export --hf --trace per-kind`` (its own row, its file checked as "check per-kind" when
-    ``check``; lower and fuse use the full trace's file).
-    ``check_args`` are added to the ``rope-export check`` command (e.g. ``--piece-limit 2``).
+    ``builder``: also run the graph builders (onnxruntime-genai's, mobius) that are installed (then every export
+    reads one ``save_pretrained`` folder, ``scale_peers``); a row says why when one cannot run.
+    ``full_trace``: also ``export --hf --trace full`` (its own row, its file checked too when ``check``).
+    ``package``: also ``package genai --hf`` (a genai folder, as the builder writes). ``cold``: drop the page cache
+    before each step (``run_step``). ``check_args`` are added to the ``rope-export check`` command.
     ``after_step(name, outputs)`` is called after each step, before its outputs may be removed
     (the slow test inspects the files there; the check step's output is its report folder)."""
     work.mkdir(parents=True, exist_ok=True)
-    no_builder = builder_missing() if builder else "left out (--scale-no-builder)"
-    plan = {**weight_plan(size, dtype), "work": str(work), "builder": not no_builder}
-    result = {"size": size, "shape": SIZE_NAMES[size], **plan, "memory_plan": memory_plan(plan, dtype), "steps": []}
+    missing = {BUILDER: builder_missing(), MOBIUS: mobius_missing()} if builder else \
+        {peer: "left out (--scale-no-builder)" for peer in PEERS}
+    peers = [peer for peer in PEERS if not missing[peer]]
+    plan = {**weight_plan(size, dtype), "work": str(work), "builder": bool(peers)}
+    result = {"size": size, "shape": SIZE_NAMES[size], **plan, "memory_plan": memory_plan(plan, dtype), "steps": [],
+              "cold": cold}
     why_not = fits(plan)
     if why_not:
         return {**result, "status": "skipped", "reason": why_not}
     config = write_config(size, work / f"{size}-config")
-    model, plain = work / "model.onnx", work / "plain.onnx"
-    folder, built, stamped = work / f"{size}-model", work / "builder", work / "model.per-kind.onnx"
+    model, plain, full = work / "model.onnx", work / "plain.onnx", work / "model.full.onnx"
+    folder, packaged = work / f"{size}-model", work / "genai"
     steps = result["steps"]
 
-    def step(name: str, argv: list[str], outputs=()) -> dict:
+    def step(name: str, argv: list[str], outputs=(), cwd: Path | None = None) -> dict:
         say(f"scale {size}: {name}")
-        record = run_step(name, argv, work / f"{name.replace(' ', '_').replace('-', '')}.log", list(outputs))
+        log = work / f"{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}.log"
+        record = run_step(name, argv, log, list(outputs), cwd=cwd, cold=cold)
         steps.append(record)
         if record["returncode"] != 0:
             raise RuntimeError(f"{name} failed (exit {record['returncode']}): {_tail(record['log'])}")
@@ -235,74 +252,94 @@ def run_size(size: str, work: Path, *, dtype: str = "fp16", reps: int = 1, keep:
     try:
         step("warm-up", [sys.executable, "-c", "import torch, transformers, onnxscript, onnx_ir, rope_export.hf"])
         source = config
-        if not no_builder:  # the builder reads weights and a tokenizer: every export of this run reads that folder
+        if peers:  # the builders read weights (and a tokenizer): every export of this run reads that folder
             step("model folder", [sys.executable, "-m", "rope_export.bench.scale_peers", "folder", str(config),
                                   str(folder), "--dtype", dtype])
             source = folder
         for rep in range(reps):  # the exports take turns; their order reverses every repetition
-            runs = [("plain export", [sys.executable, "-m", __name__, "plain", str(source), str(plain),
-                                      "--dtype", dtype, "--summary-json", str(work / "plain.summary.json")], plain),
-                    ("export --hf", _cli("export", "--hf", str(source), "--dtype", dtype, "-o", str(model),
-                                         "--summary-json", str(work / "export.summary.json")), model)]
-            if per_kind:
-                runs.append((PER_KIND, _cli("export", "--hf", str(source), "--dtype", dtype, "--trace", "per-kind",
-                                            "-o", str(stamped), "--summary-json",
-                                            str(work / "per-kind.summary.json")), stamped))
-            if not no_builder:
-                runs.append((BUILDER, builder_command(folder, built, dtype, work / "builder-cache"),
-                             built / "model.onnx"))
+            runs = _exports(source, work, dtype, full_trace, package, peers)
             for name, argv, output in runs if rep % 2 == 0 else runs[::-1]:
-                record = step(name, argv, [output])
-                if name == PER_KIND:
-                    record["note"] = _trace_of(work / "per-kind.summary.json")
-                    if check and rep == 0:  # the stamped file, checked against transformers like the full trace's
-                        reports = work / "check-per-kind-report"
-                        checked = step(CHECK_PER_KIND, check_command(stamped, reports,
-                                                                     work / "check-per-kind.summary.json", check_args),
-                                       [reports])
-                        checked["note"] = check_note(reports / "check.json")
-                    if not keep:
-                        _remove(stamped)
-                if name == BUILDER and not keep:
-                    shutil.rmtree(built, ignore_errors=True)
-                    shutil.rmtree(work / "builder-cache", ignore_errors=True)
+                record = step(name, argv, [output], cwd=work if name in PEERS else None)
+                if name in ("export --hf", FULL_TRACE):
+                    record["note"] = _trace_of(work / f"{_SUMMARIES[name]}.summary.json")
+                if check and rep == 0 and name == FULL_TRACE:  # the full trace's file checked like the default's
+                    reports = work / "check-full-report"
+                    checked = step(CHECK_FULL, check_command(full, reports, work / "check-full.summary.json",
+                                                             check_args), [reports])
+                    checked["note"] = check_note(reports / "check.json")
                 if name == "export --hf" and rep == 0:  # the disk's speed, on the bytes just written
-                    copied = work / "copy.data"
-                    if data_path(model).is_file():
-                        step(COPY, copy_command(data_path(model), copied), [copied])
-                        copied.unlink(missing_ok=True)
-                    else:
-                        steps.append({"step": COPY, "skipped": "the weights are inside the .onnx (under 2 GB)"})
-        if no_builder:
-            steps.append({"step": BUILDER, "skipped": no_builder})
-        for target in TARGETS:
-            lowered = work / f"model.{target}.onnx"
-            step(f"lower {target}", _cli("lower", str(model), "-t", target, "-o", str(lowered)), [lowered])
-            if not keep:
-                _remove(lowered)
-        fused = work / "plain.fused.onnx"
-        record = step("fuse", _cli("fuse", str(plain), "-o", str(fused)), [fused])
-        record["note"] = _tail(record["log"], 1)
-        if not keep:
-            _remove(fused)
-        if check:
-            reports = work / "check-report"
-            record = step("check", check_command(model, reports, work / "check.summary.json", check_args), [reports])
-            record["note"] = check_note(reports / "check.json")
-        else:
-            steps.append({"step": "check", "skipped": "left out (--scale-no-check)"})
-        for name in ("export.summary.json", "plain.summary.json", "check.summary.json", "per-kind.summary.json"):
+                    _copy_step(step, steps, model, work)
+                if not keep and name not in ("plain export", "export --hf"):
+                    _remove(output) if output.suffix == ".onnx" else shutil.rmtree(output, ignore_errors=True)
+                    shutil.rmtree(work / "cache_dir", ignore_errors=True)  # the builder's default cache
+        steps += [{"step": peer, "skipped": missing[peer]} for peer in PEERS if missing[peer]]
+        _later_steps(step, steps, model, plain, work, keep, check, check_args)
+        for name in ("export.summary.json", "plain.summary.json", "check.summary.json", "full.summary.json"):
             if (work / name).is_file():
                 result[name.split(".")[0] + "_steps"] = json.loads((work / name).read_text())["steps"]
     except RuntimeError as exc:
         return {**result, "status": "failed", "reason": str(exc)}
     finally:
         if not keep:
-            for path in (model, plain):
+            for path in (model, plain, full):
                 _remove(path)
-            shutil.rmtree(folder, ignore_errors=True)
-            shutil.rmtree(built, ignore_errors=True)
+            for path in (folder, packaged, work / "builder", work / "mobius"):
+                shutil.rmtree(path, ignore_errors=True)
     return {**result, "status": "measured", "ratios": ratios(result)}
+
+
+_SUMMARIES = {"export --hf": "export", FULL_TRACE: "full"}
+
+
+def _exports(source: Path, work: Path, dtype: str, full_trace: bool, package: bool, peers: list[str]) -> list:
+    """(row, argv, output) of every export of one repetition, default flags on every side but the dtype."""
+    plain = work / "plain.onnx"
+    runs = [("plain export", [sys.executable, "-m", __name__, "plain", str(source), str(plain), "--dtype", dtype,
+                              "--summary-json", str(work / "plain.summary.json")], plain),
+            ("export --hf", _cli("export", "--hf", str(source), "--dtype", dtype, "-o", str(work / "model.onnx"),
+                                 "--summary-json", str(work / "export.summary.json")), work / "model.onnx")]
+    if full_trace:
+        runs.append((FULL_TRACE, _cli("export", "--hf", str(source), "--dtype", dtype, "--trace", "full", "-o",
+                                      str(work / "model.full.onnx"), "--summary-json", str(work / "full.summary.json")),
+                     work / "model.full.onnx"))
+    if package:
+        runs.append((PACKAGE, _cli("package", "genai", "--hf", str(source), "--dtype", dtype, "-o",
+                                   str(work / "genai")), work / "genai"))
+    if BUILDER in peers:
+        runs.append((BUILDER, builder_command(source, work / "builder", dtype), work / "builder"))
+    if MOBIUS in peers:
+        runs.append((MOBIUS, mobius_command(source, work / "mobius", dtype), work / "mobius"))
+    return runs
+
+
+def _copy_step(step, steps: list, model: Path, work: Path) -> None:
+    copied = work / "copy.data"
+    if data_path(model).is_file():
+        step(COPY, copy_command(data_path(model), copied), [copied])
+        copied.unlink(missing_ok=True)
+    else:
+        steps.append({"step": COPY, "skipped": "the weights are inside the .onnx (32 MB or less)"})
+
+
+def _later_steps(step, steps: list, model: Path, plain: Path, work: Path, keep: bool, check: bool,
+                 check_args: tuple[str, ...]) -> None:
+    """lower (every target) and check on the default export's file, fuse on the plain export."""
+    for target in TARGETS:
+        lowered = work / f"model.{target}.onnx"
+        step(f"lower {target}", _cli("lower", str(model), "-t", target, "-o", str(lowered)), [lowered])
+        if not keep:
+            _remove(lowered)
+    fused = work / "plain.fused.onnx"
+    record = step("fuse", _cli("fuse", str(plain), "-o", str(fused)), [fused])
+    record["note"] = _tail(record["log"], 1)
+    if not keep:
+        _remove(fused)
+    if check:
+        reports = work / "check-report"
+        record = step("check", check_command(model, reports, work / "check.summary.json", check_args), [reports])
+        record["note"] = check_note(reports / "check.json")
+    else:
+        steps.append({"step": "check", "skipped": "left out (--scale-no-check)"})
 
 
 def _trace_of(summary: Path) -> str:
@@ -357,76 +394,13 @@ def _remove(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def _median(steps: list[dict], name: str, key: str) -> float | None:
-    values = [s[key] for s in steps if s.get("step") == name and key in s]
-    return statistics.median(values) if values else None
-
-
-def ratios(result: dict) -> dict:
-    steps, weights = result["steps"], result["weight_bytes"]
-    ours_rss, plain_rss = _median(steps, "export --hf", "peak_rss"), _median(steps, "plain export", "peak_rss")
-    ours_s, plain_s = _median(steps, "export --hf", "seconds"), _median(steps, "plain export", "seconds")
-    out = {
-        "export_peak_rss_over_weights": ours_rss / weights,
-        "plain_peak_rss_over_weights": plain_rss / weights,
-        "export_peak_rss_over_plain": ours_rss / plain_rss,
-        "export_time_over_plain": ours_s / plain_s,
-        "repetitions": sum(1 for s in steps if s.get("step") == "export --hf"),
-    }
-    builder_s, builder_rss = _median(steps, BUILDER, "seconds"), _median(steps, BUILDER, "peak_rss")
-    if builder_s:
-        out.update(export_time_over_builder=ours_s / builder_s, export_peak_rss_over_builder=ours_rss / builder_rss,
-                   builder_peak_rss_over_weights=builder_rss / weights)
-    kind_s, kind_rss = _median(steps, PER_KIND, "seconds"), _median(steps, PER_KIND, "peak_rss")
-    if kind_s:
-        out.update(per_kind_time_over_full=kind_s / ours_s, per_kind_peak_rss_over_weights=kind_rss / weights)
-        if builder_s:
-            out.update(per_kind_time_over_builder=kind_s / builder_s,
-                       per_kind_peak_rss_over_builder=kind_rss / builder_rss)
-    copy = next((s for s in steps if s.get("step") == COPY and s.get("seconds")), None)
-    written = next((f["bytes"] for s in steps if s.get("step") == "export --hf" for f in s.get("files", [])
-                    if f["path"].endswith(".data")), None)
-    write = write_rate(result.get("export_steps", []), written) if written else None
-    if copy and write:
-        out.update(write_mb_s=write / 1e6, copy_mb_s=written / copy["seconds"] / 1e6,
-                   write_over_copy=write * copy["seconds"] / written)
-    return out
-
-
-def goals(section: dict) -> list[dict]:
-    out = []
-    for r in section.get("sizes", []):
-        if r.get("status") != "measured":
-            continue
-        weights = format_bytes(r["weight_bytes"])
-        q, where = r["ratios"], f"{r['size']} ({r['shape']}, {r['dtype']}, {weights} of weights)"
-        out += [
-            {"goal": f"peak RSS of export --hf <= {RSS_GOAL}x the weight bytes", "where": where,
-             "measured": q["export_peak_rss_over_weights"], "unit": "x weights",
-             "met": q["export_peak_rss_over_weights"] <= RSS_GOAL},
-            {"goal": "peak RSS of export --hf <= the plain torch.onnx.export's", "where": where,
-             "measured": q["export_peak_rss_over_plain"], "unit": "x plain",
-             "met": q["export_peak_rss_over_plain"] <= 1.0},
-            {"goal": f"wall time of export --hf <= {TIME_GOAL}x the plain torch.onnx.export's", "where": where,
-             "measured": q["export_time_over_plain"], "unit": "x plain",
-             "met": q["export_time_over_plain"] <= TIME_GOAL},
-        ]
-        for row, key in (("export --hf --trace per-kind", "per_kind"), ("export --hf", "export")):
-            if f"{key}_time_over_builder" in q:  # issue 26: as fast and as small as a graph builder, same folder
-                out += [{"goal": f"{what} of {row} <= onnxruntime-genai's builder's", "where": where,
-                         "measured": q[f"{key}_{measure}_over_builder"], "unit": "x builder",
-                         "met": q[f"{key}_{measure}_over_builder"] <= 1.0}
-                        for what, measure in (("wall time", "time"), ("peak RSS", "peak_rss"))]
-    return out
-
-
 def run_section(sizes: tuple[str, ...], work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False,
-                check: bool = False, builder: bool = True, per_kind: bool = False,
-                say: Callable[[str], None] = lambda message: None) -> dict:
+                check: bool = False, builder: bool = True, full_trace: bool = False, package: bool = True,
+                cold: bool = False, say: Callable[[str], None] = lambda message: None) -> dict:
     results = []
     for size in sizes:
         results.append(run_size(size, Path(work) / size, dtype=dtype, reps=reps, keep=keep, check=check,
-                                builder=builder, per_kind=per_kind, say=say))
+                                builder=builder, full_trace=full_trace, package=package, cold=cold, say=say))
         if results[-1]["status"] != "measured":
             say(f"scale {size}: {results[-1]['status']}: {results[-1]['reason']}")
     return {"title": "real-size model, each step in its own process", "sizes": results, "work": str(work)}

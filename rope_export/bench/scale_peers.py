@@ -1,12 +1,16 @@
-"""The scale benchmark's yardsticks beside ``export --hf``: onnxruntime-genai's model builder on the
-same model folder, and a plain file copy of the exported weights on the same disk.
+"""The scale benchmark's yardsticks beside ``export --hf``: onnxruntime-genai's model builder and
+onnxruntime's mobius on the same model folder, and a plain file copy of the exported weights on the
+same disk.
 
-* **the builder** (``python -m onnxruntime_genai.models.builder -i FOLDER -p DTYPE -e cpu``) writes
-  the graph directly: fast, but only for the families it knows. It reads a ``save_pretrained``
-  folder with a tokenizer, so when it is installed the benchmark first writes one
-  (``write_model_folder``: the size's config, random weights with the seed ``export --hf`` uses,
-  safetensors, and a word-level tokenizer of the model's vocabulary) and every export of that run
-  reads the same folder. Not installed: its row is skipped with the reason.
+* **the builder** (``python -m onnxruntime_genai.models.builder -i FOLDER -o OUT -p DTYPE -e cpu``, run
+  in the work folder as a user runs it, so its default ``./cache_dir`` lands there) and **mobius**
+  (``mobius build --config FOLDER OUT --dtype DTYPE``; the ``mobius`` extra) write the graph
+  directly, without tracing: fast, but only for the families they know. Both read a
+  ``save_pretrained`` folder (the builder wants a tokenizer too), so when either is installed the
+  benchmark first writes one (``write_model_folder``: the size's config, random weights with the
+  seed ``export --hf`` uses, safetensors, and a word-level tokenizer of the model's vocabulary) and
+  every export of that run reads the same folder. Default flags on every side but the dtype. Not
+  installed: the row is skipped with the reason.
 * **the file copy**: ``cp`` of the exported ``.onnx.data`` beside itself, right after the export
   wrote it, so both run on the same disk with the same page cache; ``write_rate`` gives the
   export's own writing step (from its ``--summary-json``) in MB/s for the ratio.
@@ -24,8 +28,11 @@ from pathlib import Path
 
 BUILDER_MODULE = "onnxruntime_genai.models.builder"
 BUILDER = "genai builder"  # the step's name in the benchmark's tables
+MOBIUS = "mobius"
+PEERS = (BUILDER, MOBIUS)  # the graph builders export --hf is held to (the faster of them)
 COPY = "file copy"
-PER_KIND = "export --hf --trace per-kind"  # the row of two traced layers stamped (rope_export.hf.stamping)
+FULL_TRACE = "export --hf --trace full"  # every layer traced (the default stamps per kind: rope_export.hf.stamping)
+PACKAGE = "package genai --hf"  # a genai folder, as the builder writes one
 WRITING_STEP = "writing "  # export --hf's step log: "writing PATH and its weights (...) to NAME.data"
 
 
@@ -40,10 +47,24 @@ def builder_missing() -> str:
     return ""
 
 
-def builder_command(folder: Path, output: Path, dtype: str, cache: Path) -> list[str]:
-    """The builder on ``folder`` for the CPU, in ``dtype`` (fp32, fp16, bf16: the same names)."""
-    return [sys.executable, "-m", BUILDER_MODULE, "-i", str(folder), "-o", str(output), "-p", dtype, "-e", "cpu",
-            "-c", str(cache)]
+def builder_command(folder: Path, output: Path, dtype: str) -> list[str]:
+    """The builder on ``folder`` for the CPU, in ``dtype`` (fp32, fp16, bf16: the same names), as a user types it."""
+    return [sys.executable, "-m", BUILDER_MODULE, "-i", str(folder), "-o", str(output), "-p", dtype, "-e", "cpu"]
+
+
+def mobius_missing() -> str:
+    """'' when onnxruntime's mobius can run here, else why not (one line)."""
+    try:
+        found = importlib.util.find_spec("mobius") is not None and importlib.util.find_spec("onnx_shape_inference")
+    except ImportError:
+        found = False
+    return "" if found else "mobius is not installed (pip install 'rope-export[mobius]')"
+
+
+def mobius_command(folder: Path, output: Path, dtype: str) -> list[str]:
+    """``mobius build --config FOLDER OUT`` in ``dtype`` (its default is f32), through its console script's module."""
+    names = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+    return [sys.executable, "-m", "mobius", "build", "--config", str(folder), str(output), "--dtype", names[dtype]]
 
 
 def copy_command(source: Path, target: Path) -> list[str]:

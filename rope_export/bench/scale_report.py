@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from rope_export.bench.scale_peers import BUILDER, PER_KIND
+from rope_export.bench.scale_peers import BUILDER, FULL_TRACE, MOBIUS, PACKAGE
+from rope_export.bench.scale_ratios import PEER_KEYS, ROWS, RSS_GOAL
 from rope_export.common.bounds import format_bytes
 from rope_export.common.plotting import pyplot_or_none, save_png
 
@@ -44,17 +45,18 @@ def _ratio_line(size: dict) -> str:
 
 
 def _peer_line(q: dict) -> str:
-    """The builder's ratios and the write rate against cp, where measured."""
+    """Each row against the graph builders, the full trace, and the write rate against cp, where measured."""
     text = ""
-    if "export_time_over_builder" in q:
-        text += (f"; against onnxruntime-genai's builder (same folder and dtype): wall time "
-                 f"{q['export_time_over_builder']:.2f}x, peak RSS {q['export_peak_rss_over_builder']:.2f}x "
-                 f"(builder's RSS {q['builder_peak_rss_over_weights']:.2f}x the weights)")
-    if "per_kind_time_over_full" in q:
-        text += (f"; --trace per-kind: wall time {q['per_kind_time_over_full']:.2f}x the full trace's"
-                 + (f", {q['per_kind_time_over_builder']:.2f}x the builder's, peak RSS "
-                    f"{q['per_kind_peak_rss_over_builder']:.2f}x the builder's" if "per_kind_time_over_builder" in q
-                    else ""))
+    for row, key in ROWS.items():
+        parts = [f"{q[f'{key}_time_over_{peer}']:.2f}x {peer}'s time, peak RSS {q[f'{key}_peak_rss_over_{peer}']:.2f}x"
+                 for peer in PEER_KEYS.values() if f"{key}_time_over_{peer}" in q]
+        if parts:
+            text += f"; {row} (same folder and dtype): " + ", ".join(parts)
+    for peer in PEER_KEYS.values():
+        if f"{peer}_peak_rss_over_weights" in q:
+            text += f"; {peer}'s peak RSS {q[f'{peer}_peak_rss_over_weights']:.2f}x the weights"
+    if "export_time_over_full_trace" in q:
+        text += f"; export --hf (per-kind by default) {q['export_time_over_full_trace']:.2f}x the full trace's time"
     if "write_over_copy" in q:
         text += (f"; writing {q['write_mb_s']:.0f} MB/s against cp's {q['copy_mb_s']:.0f} MB/s on the same bytes "
                  f"({q['write_over_copy']:.2f}x)")
@@ -72,7 +74,7 @@ def _plan_line(size: dict) -> str:
 def _inner(size: dict) -> list[tuple[str, str, str, str]]:
     """(command, inner step, time, peak RSS) from the two exports' and the check's own step logs."""
     out = []
-    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS), ("per-kind_steps", PER_KIND),
+    for key, label in (("plain_steps", PLAIN), ("export_steps", OURS), ("full_steps", FULL_TRACE),
                        ("check_steps", CHECK)):
         for s in size.get(key, []):
             out.append((label, s["name"], f"{s['seconds']:.1f} s", format_bytes(s["peak_rss"])))
@@ -130,22 +132,24 @@ def plot(section: dict, path: str | os.PathLike) -> bool:
     for row, size in zip(axes, sizes, strict=True):
         steps = [s for s in size["steps"] if "seconds" in s and s["step"] != "warm-up"]
         names = list(dict.fromkeys(s["step"] for s in steps))
-        colors = ["tab:gray" if n == PLAIN else "tab:blue" if n == OURS else "tab:orange" if n == CHECK else
-                  "tab:purple" if n == BUILDER else "tab:green" for n in names]
+        colors = ["tab:gray" if n == PLAIN else "tab:blue" if n in (OURS, PACKAGE) else "tab:orange" if n == CHECK
+                  else "tab:purple" if n in (BUILDER, MOBIUS) else "tab:green" for n in names]
         seconds = [statistics.median(s["seconds"] for s in steps if s["step"] == n) for n in names]
         peaks = [statistics.median(s["peak_rss"] for s in steps if s["step"] == n) / 1e9 for n in names]
         row[0].bar(names, seconds, color=colors)
         row[0].set_ylabel("wall time (s, median of runs)")
         row[1].bar(names, peaks, color=colors)
         row[1].axhline(size["weight_bytes"] / 1e9, color="black", linestyle="--", linewidth=1, label="weight bytes")
-        row[1].axhline(1.3 * size["weight_bytes"] / 1e9, color="red", linestyle=":", linewidth=1, label="1.3x weights")
+        row[1].axhline(RSS_GOAL * size["weight_bytes"] / 1e9, color="red", linestyle=":", linewidth=1,
+                       label=f"{RSS_GOAL}x weights")
         row[1].set_ylabel("peak RSS (GB)")
         row[1].legend(fontsize=8)
         for ax in row:
             ax.set_title(_title(size), fontsize=9)
             ax.tick_params(axis="x", labelrotation=30, labelsize=8)
             ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("rope-export scale benchmark: each step in its own process (gray: plain torch.onnx.export)",
+    fig.suptitle("rope-export scale benchmark: each step in its own process (gray: plain torch.onnx.export, blue: "
+                 "rope-export, purple: the graph builders)",
                  fontsize=11)
     fig.tight_layout()
     save_png(fig, path)

@@ -47,6 +47,8 @@ from rope_export.common.fileio import check_writable
 from rope_export.detect import CountReport, RotationCensus, compare_with_file, count_rotations, rotary_nodes
 from rope_export.detect.census import module_path_of
 from rope_export.exporting import FACTORY_HELP
+from rope_export.exporting.onnxruntime_gaps import fill_onnxruntime_gaps
+from rope_export.exporting.precision import state_norm_precision
 from rope_export.files import onnx_files
 from rope_export.passes import FusionReport, fuse
 
@@ -191,11 +193,11 @@ def export_module(
         notes.append("complex tensors traced as real pairs [..., 2] (rope_export.exporting.complex_pairs): torch.onnx "
                      "cannot export complex tensors")
     program, hooked = tracer.program(functions, notes)
+    notes += fill_onnxruntime_gaps(program.model)
     say("fusing the rotations of the traced graph")
     fusion = FusionReport()
-    model = fuse(program.model, report=fusion, adopt_standard=True)  # in place: no copy of the weights
-    from rope_export.exporting.precision import state_norm_precision
-
+    model = fuse(program.model, report=fusion, adopt_standard=True,  # in place: no copy of the weights
+                 table_inputs=_table_input_names(census, program.model, args, kwargs))
     state_norm_precision(model)  # float32 norm statistics in the types, not only in stash_type
     if output is None:
         if onnx_files.weight_bytes(model) < onnx_files.EXTERNAL_DATA_THRESHOLD:
@@ -248,18 +250,24 @@ class _Tracer:
     def trace(self, shapes, auto: bool = False):
         from rope_export.exporting.complex_pairs import complex_as_pairs
         from rope_export.exporting.core import custom_translation_table
-        from rope_export.exporting.torch_onnx import quiet_exporter
+        from rope_export.exporting.torch_onnx import export_captured, is_capture_failure, quiet_exporter
 
         if auto and self.kwargs:  # auto_dynamic_shapes' (args specs, kwargs specs)
             shapes = {**_named(self.module, shapes[0]), **shapes[1]}
         elif auto:
             shapes = shapes[0]
         paired = complex_as_pairs(self.module) if self.pairs else contextlib.nullcontext()
+        options = dict(opset_version=self.opset, input_names=self.input_names, output_names=self.output_names,
+                       verbose=self.verbose, custom_translation_table=custom_translation_table())
         with torch.no_grad(), quiet_exporter(self.verbose), paired:
-            return torch.onnx.export(self.module, self.args, kwargs=self.kwargs or None, dynamo=True,
-                                     opset_version=self.opset, dynamic_shapes=shapes, input_names=self.input_names,
-                                     output_names=self.output_names, verbose=self.verbose,
-                                     custom_translation_table=custom_translation_table())
+            try:
+                return torch.onnx.export(self.module, self.args, kwargs=self.kwargs or None, dynamo=True,
+                                         dynamic_shapes=shapes, **options)
+            except Exception as exc:  # noqa: BLE001 - given axes: try torch.export's own capture once
+                if self.dynamic_shapes == "auto" or not is_capture_failure(exc):
+                    raise
+            self.say("torch.onnx's capture failed: capturing with torch.export's defaults, translating that")
+            return export_captured(self.module, self.args, self.kwargs, shapes, **options)
 
     def trace_shapes(self):
         args, kwargs = self.args, self.kwargs
@@ -352,6 +360,16 @@ def record_example(module: torch.nn.Module, args: tuple, kwargs: dict, model: ir
     np.savez_compressed(buffer, **{k: t.numpy() for k, t in arrays.items()})
     meta[METADATA_PREFIX + "module_example"] = base64.b64encode(buffer.getvalue()).decode("ascii")
     return meta, ""
+
+
+def _table_input_names(census: RotationCensus, model: ir.Model, args: tuple, kwargs: dict) -> list[str]:
+    """The file's inputs that the census found to be cos/sin tables (the file's inputs are the example's tensors in
+    order; none when torch.onnx dropped some)."""
+    from torch.utils._pytree import tree_leaves
+
+    count = sum(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs)))
+    names = [v.name for v in model.graph.inputs]
+    return [names[i] for i in census.table_inputs] if len(names) == count else []
 
 
 def _complex_rewrite_cause(exc: BaseException):

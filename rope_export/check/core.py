@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from rope_export.check import cache_rows
+from rope_export.check import cache_rows, vlm
 from rope_export.check.compare import compare_against_pytorch, compare_output, token_errors, token_limit_ratios
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
@@ -35,6 +35,7 @@ from rope_export.check.runners import (
     make_runner,
     run_cases,
 )
+from rope_export.check.task_reference import TaskReference
 from rope_export.common.bounds import format_bytes
 from rope_export.exporting.core import DTYPES
 from rope_export.op.tolerances import against_pytorch, for_layers, tolerance
@@ -129,7 +130,10 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
     check_runner_names(runners)
     limits = options.limits()
     say(f"opening {model if not isinstance(model, onnx.ModelProto) else 'the model'}")
-    subject = _read_subject(ModelFile.open(model), options, limits)
+    mf = ModelFile.open(model)
+    options, vlm_notes, vlm_feeds = _vlm_component(mf, options)
+    subject = _read_subject(mf, options, limits)
+    subject.notes[:0] = vlm_notes
     ref = _reference(subject, options, limits)
     say("comparing every row of the stored cos/sin caches")
     _read_caches(subject)
@@ -137,6 +141,7 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
     tol = for_layers(tolerance("block", DTYPES[subject.dtype]), layers)
     past_end = _past_end_allowed(subject, ref)
     cases, described = _cases(subject, ref, options, past_end, limits)
+    del vlm_feeds  # read into the cases: their scratch folder goes
     expected, rule, pytorch_layers = _run_reference(subject, ref, cases, layers, say)
     precision = _stated_below_pytorch(subject, ref, rule)
     compared_outputs = ref.expected_outputs(subject.mf)
@@ -146,7 +151,7 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
     reports = [_run_runner(name, f"[{i}/{len(runners)}] {name}: ", subject, ref, cases, expected, compared_outputs,
                            tol, rule, pytorch_layers, options.plugin_library, limits, say)
                for i, name in enumerate(runners, 1)]
-    _sweep(subject, reports, runners, options, past_end, limits, say)
+    _sweep(subject, reports, runners, options, past_end, limits, say, ref)
     if subject.mf.external:
         subject.notes.append(f"weights: {format_bytes(subject.mf.weight_bytes)} in external data, read by each "
                              "runner from the path in turn")
@@ -157,6 +162,18 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
         preset=subject.preset.preset.name if subject.preset else "",
         sweep_tolerance=tolerance("op", DTYPES[subject.dtype]), weights=getattr(ref, "weights_source", {}),
         precision=precision)
+
+
+def _vlm_component(mf: ModelFile, options: CheckOptions):
+    """(options, notes, feeds to keep until the cases are read): a vision-language component file
+    (``check.vlm``) is compared with its transformers submodule, on its own cases where the stress cases do not
+    fit it; any other file, or a reference named, is left as it is."""
+    if options.module is not None or options.named_reference or vlm.vlm_record(mf) is None:
+        return options, [], None
+    module, notes, feeds = vlm.component_reference(mf, weights=options.weights, seed=options.seed,
+                                                   random_weights=options.random_weights)
+    inputs = options.inputs or (feeds.paths if feeds is not None else None)
+    return dataclasses.replace(options, module=module, inputs=inputs), notes, feeds
 
 
 def _read_subject(mf: ModelFile, options: CheckOptions, limits: Limits) -> _Subject:
@@ -184,6 +201,11 @@ def _reference(subject: _Subject, options: CheckOptions, limits: Limits):
     if options.module is not None:
         ref, notes = ModuleReference(mf, options.module, options.args, options.kwargs), []
         ref.weight_bytes = mf.weight_bytes
+    elif subject.source == "diffusers" and not options.named_reference:
+        from rope_export.check.diffusers_reference import DiffusersReference
+
+        ref, notes = DiffusersReference(mf), []
+        ref.weight_bytes = mf.weight_bytes
     elif subject.example is not None and subject.source is None and not options.named_reference:
         ref, notes = RecordedReference(mf, subject.example, limits), []
         ref.weight_bytes = mf.weight_bytes
@@ -193,7 +215,7 @@ def _reference(subject: _Subject, options: CheckOptions, limits: Limits):
             reference_path=options.reference, hf_config=options.hf_config,
             weights=None if options.weights is None else str(options.weights), seed=options.seed,
             random_weights=options.random_weights, reference_block=options.reference_block,
-            precision=options.precision, limits=limits)
+            precision=options.precision, limits=limits, task_reference=TaskReference)
     subject.notes += notes
     if mf.contrib_ops:
         subject.notes.append(f"onnxruntime contrib ops ({', '.join(mf.contrib_ops)}): onnx.checker checked the rest "
@@ -238,7 +260,7 @@ def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits
     """The inputs every runner and the reference compute: the user's feeds, or stress cases sized by the flags,
     the file's metadata and the defaults; plus the example export_module recorded."""
     mf, hf_info, rope = subject.mf, subject.hf_info, subject.rope
-    vocab = find_vocab(mf) or (hf_info.config.get("vocab_size") if hf_info else None) or ref.vocab
+    vocab = find_vocab(mf) or (_config_vocab(hf_info.config) if hf_info else None) or ref.vocab
     positions_in = tuple(dict.fromkeys(s.name for sl in subject.slices for s in sl.position_inputs
                                        if len(s.dims or ()) == 2))
     sizes = {k: v for k, v in dict(batch=options.batch, seq=options.seq, past=options.past,
@@ -254,6 +276,9 @@ def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits
     if options.inputs:
         cases = user_cases(list(options.inputs), mf)
         described = f"the user's feeds ({', '.join(map(str, options.inputs))})"
+    elif hasattr(ref, "own_cases"):  # a reference that knows its inputs (a task file's, a diffusers denoiser's latent sizes)
+        cases, case_notes, described = ref.own_cases(mf, plan)
+        subject.notes += case_notes
     else:
         cases, case_notes = stress_cases(mf, plan, limits.memory)
         subject.notes += case_notes
@@ -346,9 +371,13 @@ def _run_runner(name, prefix, subject: _Subject, ref, cases, expected, outputs, 
     return report
 
 
-def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end: bool, limits: Limits, say) -> None:
-    """Each rotary node alone over every position, on every runner; a failed sweep fails its runner."""
-    if options.sweep and subject.slices:
+def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end: bool, limits: Limits, say,
+           ref) -> None:
+    """Each rotary node alone over every position, on every runner; a failed sweep fails its runner (unless the
+    reference says why its nodes cannot run alone: ``sweep_note``)."""
+    if options.sweep and subject.slices and getattr(ref, "sweep_note", ""):
+        subject.notes.append(ref.sweep_note)
+    elif options.sweep and subject.slices:
         results, sweep_notes = cache_rows.sweep(
             subject.mf, subject.slices, runners, ropes=subject.ropes, position_limit=subject.position_limit,
             out_of_range_allowed=past_end, plugin_library=options.plugin_library,
@@ -359,8 +388,14 @@ def _sweep(subject: _Subject, reports, runners, options: CheckOptions, past_end:
             if r.sweep is not None and r.sweep.status == "FAIL":
                 r.status = "FAIL"
     elif not subject.slices and not subject.tables:
-        subject.notes.append("no rotary node could be run alone (none in the file, or none with static head sizes); "
-                             "the positions are covered by the stress cases only")
+        subject.notes.append("no rotary node could be run alone (none in the file, or each for the reason noted); "
+                             "the positions are covered by the cases only")
+
+
+def _config_vocab(config: dict):
+    """The vocabulary size a transformers config names (a multimodal config's text config holds it)."""
+    text = config.get("text_config")
+    return config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
 
 
 def _layers(mf: ModelFile) -> int:

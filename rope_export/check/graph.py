@@ -204,6 +204,11 @@ def rotary_slices(mf: ModelFile) -> tuple[list[RotarySlice], list[str]]:
         except _TooBig as why:
             notes.append(f"{rn.label}: not run alone, {why}")
             continue
+        floats = sorted(s.name for s in mf.inputs if s.name in inputs and s.is_float)
+        if floats:  # an audio encoder's positions follow its input's length through convolutions: not a sweep's axis
+            notes.append(f"{rn.label}: not run alone, its positions come from the length of {', '.join(floats)} "
+                         "through the model's own arithmetic; the cases cover it")
+            continue
         if sum(tensor_nbytes(mf.initializer(n)) for n in inits) > MAX_SLICE_BYTES:
             notes.append(f"{rn.label}: not run alone, its caches come from more than {MAX_SLICE_BYTES >> 20} MB of "
                          "weights")

@@ -60,9 +60,9 @@ class HFInfo:
 
 
 def file_source(mf: ModelFile) -> str | None:
-    """"preset", "transformers" or None (no rope_export metadata)."""
-    if mf.metadata.get("source") == "transformers":
-        return "transformers"
+    """"preset", "transformers", "diffusers" or None (no rope_export metadata)."""
+    if mf.metadata.get("source") in ("transformers", "diffusers"):
+        return mf.metadata["source"]
     if "preset" in mf.metadata:
         return "preset"
     return None

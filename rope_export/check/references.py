@@ -113,24 +113,30 @@ def _config_from(source):
                          f"be read: {exc}") from None
 
 
+def transformers_config(config_source, weights: str | None):
+    """(config, position limit, vocabulary size) of a transformers reference, its weights folder there; a
+    CheckError naming the fix without transformers."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise CheckError("comparing with transformers needs it installed: pip install 'rope-export[hf]'; or "
+                         "compare with --reference OTHER.onnx") from None
+    if weights is not None and not Path(weights).is_dir():
+        raise CheckError(f"the weights folder {weights} (recorded in the file or given with --weights) is not "
+                         "there; pass --weights DIR with the model's *.safetensors")
+    config = _config_from(config_source)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    # the position limit: for a file without metadata
+    return config, limit if isinstance(limit, int) and limit > 0 else None, getattr(text, "vocab_size", None)
+
+
 class TransformersReference(Reference):
     """The causal LM (or one attention layer) of transformers, with past keys/values from the feeds."""
 
     def __init__(self, mf: ModelFile, info: HFInfo, config_source, weights: str | None):
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            raise CheckError("comparing with transformers needs it installed: pip install 'rope-export[hf]'; or "
-                             "compare with --reference OTHER.onnx") from None
-        if weights is not None and not Path(weights).is_dir():
-            raise CheckError(f"the weights folder {weights} (recorded in the file or given with --weights) is not "
-                             "there; pass --weights DIR with the model's *.safetensors")
         self.info, self.weights = info, weights
-        self.config = _config_from(config_source)
-        text = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
-        limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-        self.position_limit = limit if isinstance(limit, int) and limit > 0 else None  # for a file without metadata
-        self.vocab = getattr(text, "vocab_size", None)
+        self.config, self.position_limit, self.vocab = transformers_config(config_source, weights)
         self.layer_kind = info.kind == "hf-attention"
         where = "random weights, seed " + str(info.seed) if weights is None else f"weights {weights}"
         self.label = f"transformers {type(self.config).__name__.removesuffix('Config')} ({info.dtype}, {where})"
@@ -373,14 +379,15 @@ class GoldenRunnerReference(Reference):
 def choose_reference(mf: ModelFile, *, source: str | None, preset: PresetInfo | None, hf_info: HFInfo | None,
                      reference_path=None, hf_config=None, weights=None, seed: int | None = None,
                      random_weights: bool = False, reference_block=None, precision: str = "auto",
-                     limits: Limits) -> tuple[Reference, list[str]]:
+                     limits: Limits, task_reference: type | None = None) -> tuple[Reference, list[str]]:
     """The reference for this file and flags, and notes for the report.
 
     ``precision``: of a transformers causal LM's layer-streamed reference: "fp32", "fp64", "none" (one run in the
-    file's dtype), or "auto" (fp32 for a half-precision file, else none)."""
+    file's dtype), or "auto" (fp32 for a half-precision file, else none). ``task_reference``: the reference of
+    a file of another task (``check.task_reference.TaskReference``)."""
     notes: list[str] = []
     ref = _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, random_weights,
-                  reference_block, limits)
+                  reference_block, limits, task_reference)
     ref.weight_bytes = mf.weight_bytes
     if isinstance(ref, TransformersReference) and not ref.layer_kind:
         if precision == "auto":
@@ -392,7 +399,7 @@ def choose_reference(mf: ModelFile, *, source: str | None, preset: PresetInfo | 
 
 
 def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weights, seed, random_weights,
-            reference_block, limits) -> Reference:
+            reference_block, limits, task_reference=None) -> Reference:
     if reference_path is not None:
         return OnnxFileReference(mf, reference_path, limits)
     if hf_config is not None or (source == "transformers" and hf_info is not None):
@@ -406,7 +413,9 @@ def _choose(mf, notes, source, preset, hf_info, reference_path, hf_config, weigh
         if choice.note:
             notes.append(choice.note)
         try:
-            ref = TransformersReference(mf, hf_info, hf_config or hf_info.config, choice.folder)
+            # a file of another task than the causal LM (rope_export.hf.tasks): check.task_reference
+            kind = task_reference if hf_info.kind == "hf-task" and task_reference else TransformersReference
+            ref = kind(mf, hf_info, hf_config or hf_info.config, choice.folder)
             ref.weights_source = choice.to_dict()
             return ref
         except _NoReference as why:

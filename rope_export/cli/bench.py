@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default all but scale and cli)")
     scale = parser.add_argument_group("scale section (--sections scale)")
     scale.add_argument("--scale-sizes", default="1b",
-                       help="comma-separated model sizes: 1b (Llama-3.2-1B shape), 8b (Llama-3.1-8B shape, 16 GB of "
-                            "weights: run on a quiet machine), 2gb (the smallest > 2 GB case) (default 1b)")
+                       help="comma-separated model sizes: 135m (SmolLM-135M shape: deep and narrow, 30 layers of "
+                            "hidden 576), 1b (Llama-3.2-1B shape), 8b (Llama-3.1-8B shape, 16 GB of weights: run on a "
+                            "quiet machine), 2gb (the smallest > 2 GB case) (default 1b)")
     scale.add_argument("--scale-dir", default=None,
                        help="folder for the model files (default OUT/scale-work; needs about 3x the weights free, "
                             "4x with the builder)")
@@ -32,11 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="leave out the last step, rope-export check of the exported file against transformers")
     scale.add_argument("--scale-dtype", default="fp16", choices=("fp32", "fp16", "bf16"),
                        help="weight dtype of every export in the section (default fp16)")
-    scale.add_argument("--scale-per-kind", action="store_true",
-                       help="also run export --hf --trace per-kind (leading layers traced, the rest stamped) as a row")
+    scale.add_argument("--scale-full-trace", action="store_true",
+                       help="also run export --hf --trace full (every layer traced) as a row, its file checked too")
+    scale.add_argument("--scale-no-package", dest="scale_package", action="store_false",
+                       help="leave out package genai --hf (a genai folder, as the builder writes one)")
+    scale.add_argument("--scale-cold", action="store_true",
+                       help="drop the page cache before every step (root; the whole machine's cache: a quiet machine "
+                            "only), so each step reads its libraries and the checkpoint from disk, as a first command "
+                            "after copying a model does")
     scale.add_argument("--scale-no-builder", dest="scale_builder", action="store_false",
-                       help="leave out onnxruntime-genai's model builder (run by default when it is installed, on a "
-                            "save_pretrained folder that every export then reads)")
+                       help="leave out the graph builders, onnxruntime-genai's and mobius (each run by default when "
+                            "installed, on a save_pretrained folder that every export then reads)")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"folder for bench.json, bench.md, bench.png (default {DEFAULT_OUT})")
     parser.add_argument("--plot", default=None, metavar="PNG",
@@ -66,7 +73,8 @@ def run(args) -> int:
     config.scale_dir = args.scale_dir or str(Path(args.out) / "scale-work")
     config.scale_keep, config.scale_check = args.scale_keep, args.scale_check
     config.scale_dtype, config.scale_builder = args.scale_dtype, args.scale_builder
-    config.scale_per_kind = args.scale_per_kind
+    config.scale_full_trace, config.scale_package = args.scale_full_trace, args.scale_package
+    config.scale_cold = args.scale_cold
     config.commands = tuple(COMMANDS)
     console = Console()
     if not console.is_terminal:  # a log or a pipe: wide enough for the tables, not rich's 80 columns

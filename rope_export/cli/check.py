@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rope_export.check.names import RUNNERS
 from rope_export.cli.options import add_model_source_arguments, whole_number
@@ -26,7 +27,8 @@ def register(subparsers) -> None:
         "`export --hf` file with transformers, any other file with onnx-reference as the golden; or named with "
         "--reference / --hf. Every stored cos/sin cache row is compared with the RoPE configuration and each rotary "
         "node is run alone over every position. Exit 0: all agree; 1: a runner disagrees; 2: bad input.")
-    parser.add_argument("model", help="the .onnx file (weights may be external, beside it)")
+    parser.add_argument("model", help="the .onnx file (weights may be external, beside it), or the folder `export --hf "
+                                      "VLM_DIR -o OUT_DIR/` wrote (each component, then the whole pipeline)")
     parser.add_argument("--runners", default=",".join(RUNNERS),
                         help=f"comma-separated, from {', '.join(RUNNERS)} (default: all; unavailable ones are skipped)")
     parser.add_argument("--reference", metavar="OTHER.onnx",
@@ -80,6 +82,8 @@ def _run(args) -> int:
 
     console = make_console()
     runners = tuple(r.strip() for r in args.runners.split(",") if r.strip())
+    if Path(args.model).is_dir():  # a vision-language export: its components, then the pipeline
+        return _run_folder(args, runners, console)
     module = _load_module(args.module) if args.module else {}
     with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
         report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,
@@ -111,3 +115,33 @@ def _load_module(spec: str) -> dict:
     except ModuleExportError as exc:
         raise CheckError(str(exc)) from None
     return {"module": parts["module"], "args": parts["args"], "kwargs": parts.get("kwargs")}
+
+
+FOLDER_OPTIONS = ("reference", "hf", "module", "inputs", "batch", "seq", "past", "long_seq", "memory_limit",
+                  "max_in_memory", "piece_limit")
+
+
+def _run_folder(args, runners, console) -> int:
+    """``rope-export check OUT_DIR/``: exit 0 when every component and the pipeline pass, 1 otherwise."""
+    from rope_export.check.model_file import CheckError
+    from rope_export.check.report import write_reports
+    from rope_export.check.vlm_folder import check_folder, print_folder_report
+    from rope_export.common.steps import cli_steps
+
+    given = [name for name in FOLDER_OPTIONS if getattr(args, name, None) not in (None, False)]
+    if given:
+        raise CheckError(f"--{given[0].replace('_', '-')} is for one file; check a component file of the folder "
+                         "with it")
+    with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
+        report = check_folder(args.model, runners, weights=args.weights, seed=args.seed,
+                              random_weights=args.random_weights, sweep=not args.no_sweep, plugin_library=args.plugin,
+                              progress=progress)
+    print_folder_report(report, console)
+    if args.report:
+        for name, component in report.components.items():
+            for path in write_reports(component, Path(args.report) / name):
+                console.print(f"wrote {path}")
+    if not report.passed:
+        print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
+        return 1
+    return 0

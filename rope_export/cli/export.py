@@ -1,7 +1,8 @@
-"""``rope-export export``: a preset's attention block (the default), your own module (``--module``) or a
-transformers folder (``--hf``, run by ``rope_export.cli.export_hf``). The parser names only options and help, so
-``rope-export export --help`` imports neither torch nor transformers; a run imports the one front end it takes
-(``rope_export.presets.export``, ``rope_export.blocks.export`` or ``rope_export.hf``)."""
+"""``rope-export export``: a preset's attention block (the default), your own module (``--module``), a
+transformers folder (``--hf``, run by ``rope_export.cli.export_hf``) or a diffusers folder (``--diffusers``, run by
+``rope_export.cli.export_diffusers``). The parser names only options and help, so ``rope-export export --help``
+imports neither torch nor transformers; a run imports the one front end it takes (``rope_export.presets.export``,
+``rope_export.blocks.export``, ``rope_export.hf`` or ``rope_export.diffusion``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from rope_export.exporting import DTYPE_NAMES, FACTORY_HELP, HF_FALLBACKS, HF_TR
 
 # The options only export --hf takes: any of them routes the call to cli.export_hf.run_hf_export.
 HF_ONLY = ("hf", "weights", "random_weights", "allow_no_rope", "layer", "hf_family", "attention_mask", "kv_buffer",
-           "trace")
+           "trace", "task", "image_size")
 
 
 def register(subparsers) -> None:
@@ -26,13 +27,15 @@ def register(subparsers) -> None:
                         help="also export the block with decomposed RoPE and report the node-count reduction")
     parser.add_argument("--verbose", action="store_true",
                         help="show torch.onnx's own messages and the libraries' FutureWarnings")
-    parser.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    parser.add_argument("-o", "--output", required=True,
+                        help="the .onnx file to write (missing folders above it are made)")
     add_output_arguments(parser)
     parser.add_argument("--module", metavar="SPEC", help=f"export any RoPE module instead of a preset: {FACTORY_HELP}")
     parser.add_argument("--allow-decomposed", action="store_true",
                         help="--module, --hf: write the file even if a rotation stayed decomposed (a warning, not "
                              "an error)")
     add_hf_arguments(parser)
+    add_diffusers_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -41,7 +44,13 @@ def add_hf_arguments(parser) -> None:
     group = add_model_source_arguments(
         parser, "export a transformers model built from this local config (folder or .json) instead of a preset; "
                 "any RoPE model type: its rotary function is found by code and verified. A causal LM's file always "
-                "has a KV cache (prefill: past 0)")
+                "has a KV cache (prefill: past 0); other tasks: --task")
+    group.add_argument("--task", metavar="TASK", default=None,
+                       help="the task to export the folder's model as, e.g. feature-extraction, fill-mask, "
+                            "text-classification, speech-to-text (an unknown name lists them all); default: the class "
+                            "config.json's architectures names, else a causal LM where transformers has one, else the "
+                            "type's speech-to-text, text-to-text or base model. Encoder-decoders write a folder "
+                            "(encoder.onnx, decoder.onnx)")
     group.add_argument("--allow-no-rope", action="store_true", default=None,
                        help="write the file even when the model performs no rotary position embedding (a warning "
                             "instead of the error)")
@@ -55,18 +64,41 @@ def add_hf_arguments(parser) -> None:
                             "updated in place (TensorScatter-24 + Attention-24, opset 24; implies --attention-mask), "
                             "so a decode step does not copy the whole past (onnxruntime-genai: "
                             "past_present_share_buffer true)")
+    group.add_argument("--image-size", metavar="HxW", default=None,
+                       help="a vision-language model (Qwen2/2.5/3-VL, Mistral 3, Llama 4, GLM-4V) exports whole to "
+                            "-o OUT_DIR/ "
+                            "(vision encoder, embedding merge, decoder): the image size its vision encoder takes, in "
+                            "pixels (default: the type's, e.g. 448x448; Llama 4: its tile size)")
     group.add_argument("--hf-family", metavar="FAMILY", default=None,
                        help="override: accept only this family's rotary form (still checked numerically; a wrong "
                             "name gets the list)")
     group.add_argument("--trace", choices=HF_TRACES, default=None,
-                       help="full (default): torch.export traces every decoder layer; per-kind: trace two layers and "
-                            "stamp the second once per further layer with its weights and cache, where every layer is "
-                            "one kind and the stamped file's rotary nodes per layer match transformers' (else the full "
-                            "trace, with the reason in the summary)")
+                       help="per-kind (default): trace the leading decoder layers (two for a dense model) and stamp "
+                            "them once per further layer with its weights and cache, where the layers group into "
+                            "kinds and every stamped layer computes what transformers' own does (each run alone, "
+                            "before the file is written); else the full trace, with the reason in the summary. "
+                            "full: torch.export traces every decoder layer")
     group.add_argument("--hf-fallback", choices=HF_FALLBACKS, default="auto",
                        help="override for a model whose rotary function does not verify: plain export then fuse "
                             "(auto, the default), refuse (error), keep RoPE decomposed (plain), or skip the hook "
                             "and fuse even when a function verifies (fuse)")
+
+
+def add_diffusers_arguments(parser) -> None:
+    """``--diffusers DIR`` and the options that go with it (``rope_export.cli.export_diffusers``)."""
+    group = parser.add_argument_group("diffusers image and video transformers (instead of --preset)")
+    group.add_argument("--diffusers", metavar="DIR", default=None,
+                       help="export a component of a local diffusers folder (a pipeline's, with model_index.json, or "
+                            "one model's save_pretrained folder): the denoising transformer by default, with one "
+                            "rotary node per rotation and dynamic latent sizes; its weights, or random ones (--seed) "
+                            "when it holds none or with --random-weights")
+    group.add_argument("--component", metavar="NAME", default=None,
+                       help="--diffusers: the pipeline component to export (transformer, vae, text_encoder, ...; "
+                            "default: the denoiser). A VAE (its decoder) or text encoder is exported as it is, its "
+                            "rotations counted (none in a VAE, CLIP or T5)")
+    group.add_argument("--diffusers-family", metavar="FAMILY", default=None,
+                       help="--diffusers: call the transformer as this family does (flux, wan, hunyuan-video, "
+                            "cogvideox, ltx-video, lumina2, video); default: the first whose inputs fit its forward")
 
 
 def wants_hf_export(args) -> bool:
@@ -75,14 +107,25 @@ def wants_hf_export(args) -> bool:
 
 
 def run(args) -> int:
-    args.seed = 0 if args.seed is None else args.seed  # check reads "not given" as the file's own seed; export: 0
-    if wants_hf_export(args):
-        from rope_export.cli.export_hf import run_hf_export
+    from rope_export.common.fileio import parent_folders_made
 
-        return run_hf_export(args)
-    if args.module:
-        return run_module_export(args)
-    return run_preset_export(args)
+    args.seed = 0 if args.seed is None else args.seed  # check reads "not given" as the file's own seed; export: 0
+    with parent_folders_made(args.output):  # -o new/dir/model.onnx makes new/dir (removed again if the export fails)
+        if args.diffusers is not None:
+            from rope_export.cli.export_diffusers import run_diffusers_export
+
+            return run_diffusers_export(args)
+        if args.component is not None or args.diffusers_family is not None:
+            from rope_export.common.errors import CLIError
+
+            raise CLIError("--component and --diffusers-family need --diffusers DIR")
+        if wants_hf_export(args):
+            from rope_export.cli.export_hf import run_hf_export
+
+            return run_hf_export(args)
+        if args.module:
+            return run_module_export(args)
+        return run_preset_export(args)
 
 
 def run_preset_export(args) -> int:

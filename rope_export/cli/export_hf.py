@@ -9,7 +9,8 @@ from rope_export.hf.checkpoints import weights_fact
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.export import export_hf
 from rope_export.hf.families import HF_FAMILIES
-from rope_export.hf.loading import build_hf_model, weights_beside
+from rope_export.hf.loading import build_hf_model, chosen_weights, load_hf_config
+from rope_export.hf.tasks import CAUSAL_LM, select_task
 from rope_export.hf.versions import said_when_untested
 from rope_export.op import contract
 
@@ -29,25 +30,33 @@ def run_hf_export(args) -> int:
         raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
     if args.hf is None:
         raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer, --hf-family, --attention-mask, "
-                            "--trace and --kv-buffer need --hf CONFIG_DIR_OR_JSON")
+                            "--task, --trace and --kv-buffer need --hf CONFIG_DIR_OR_JSON")
     if args.random_weights and args.weights is not None:
         raise HFExportError("--random-weights and --weights exclude each other: give one")
     if args.hf_family is not None and args.hf_family not in HF_FAMILIES:  # before the minutes of building
         raise HFExportError(f"unknown --hf-family {args.hf_family!r}; known: {', '.join(sorted(HF_FAMILIES))}")
-    for option, default in (("cache_len", None), ("compare_decomposed", False), ("module", None)):
-        if getattr(args, option, default) not in (None, False):
+    for option in ("cache_len", "compare_decomposed", "module"):
+        value = getattr(args, option, None)
+        if value is not None and value is not False:  # `--cache-len 0` is given too (0 == False)
             raise HFExportError(
                 f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
                 "the graph and the model is exported as it is"
             )
-    check_output_writable(Path(args.output))  # before the minutes of building and tracing
+    if args.seed is None:  # the shared --seed says "not given" with None (check then reads the file's own)
+        args.seed = 0
     # the --hf folder's own checkpoint unless told otherwise: a folder with weights never exports random ones
-    weights = args.weights if args.weights is not None or args.random_weights else weights_beside(args.hf)
-    if weights is None:
-        why = "--random-weights" if args.random_weights else f"{args.hf} holds no checkpoint; give --weights DIR"
-        weights_line = f"random weights (seed {args.seed}): not a trained model ({why})"
-    else:
-        weights_line = f"weights from {weights}"
+    weights, weights_line = chosen_weights(args.hf, args.weights, args.random_weights, args.seed)
+    from rope_export.cli.export_vlm import run_vlm_export, wants_vlm_export
+
+    if wants_vlm_export(args):  # a vision-language model whole: a folder of components (rope_export.hf.vlm)
+        with said_when_untested():
+            return run_vlm_export(args, weights, weights_line)
+    choice = task_choice(args)
+    if choice.task.name != CAUSAL_LM:  # an encoder, embedder, speech or encoder-decoder model (rope_export.hf.tasks)
+        from rope_export.cli.export_task import run_task_export
+
+        return run_task_export(args, choice)
+    check_output_writable(Path(args.output))  # before the minutes of building and tracing
     console = Console()
     with said_when_untested(), cli_steps(console, f"rope-export export --hf: {args.output}",
                                          args.summary_json) as progress:
@@ -62,7 +71,7 @@ def run_hf_export(args) -> int:
                            allow_no_rope=bool(args.allow_no_rope), opset=args.opset,
                            attention_mask=bool(args.attention_mask), kv_buffer=bool(args.kv_buffer),
                            external=args.external_data, weights=None if weights is None else str(weights),
-                           seed=args.seed, trace=args.trace or "full", progress=progress,
+                           seed=args.seed, trace=args.trace or "per-kind", progress=progress,
                            verbose=args.verbose)
         progress.facts["trace"] = result.trace  # which path ran, for --summary-json as for the line below
         progress.add_files(output_files(args.output))
@@ -88,3 +97,9 @@ def run_hf_export(args) -> int:
         table.add_row("note", note)
     console.print(table)
     return 0
+
+
+def task_choice(args):
+    """The task ``--hf`` exports (``rope_export.hf.tasks.select_task``: ``--task``, the config's architectures,
+    else what the config implies; a causal LM wherever transformers has one)."""
+    return select_task(load_hf_config(args.hf), getattr(args, "task", None))

@@ -7,9 +7,9 @@ import argparse
 
 from rope_export.files import EXTERNAL_DATA
 
-EXTERNAL_DATA_HELP = ("where the weights go: auto (inside the .onnx up to 2 GB, else NAME.data), single "
-                      "(always one file NAME.data), per-tensor (a folder NAME.data/ with one file per tensor), "
-                      "never (inside the .onnx; refused past 2 GB)")
+EXTERNAL_DATA_HELP = ("where the weights go: auto (inside the .onnx up to 32 MB of weights, else NAME.data), "
+                      "single (always one file NAME.data), per-tensor (a folder NAME.data/ with one file per "
+                      "tensor), never (inside the .onnx; refused past 2 GB)")
 
 
 def add_output_arguments(parser) -> None:

@@ -29,7 +29,8 @@ def _add_genai(packagers) -> None:
     parser = packagers.add_parser("genai", help="an onnxruntime-genai folder (model.onnx, genai_config.json, "
                                                 "tokenizer)", description=GENAI_DESCRIPTION)
     parser.add_argument("model", nargs="?", metavar="MODEL.onnx", default=None,
-                        help="a file from `rope-export export --hf` (its config comes from its metadata); or --hf")
+                        help="a file from `rope-export export --hf` (its config comes from its metadata), or the "
+                             "folder it wrote for a vision-language model; or --hf")
     add_model_source_arguments(parser, "a local transformers folder (config.json): exported here with an "
                                        "attention_mask input, instead of MODEL.onnx")
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
@@ -43,6 +44,10 @@ def _add_genai(packagers) -> None:
                         help="with --hf: the KV cache is a preallocated buffer per layer updated in place "
                              "(TensorScatter-24 + Attention-24, opset 24; past_present_share_buffer true), so a decode "
                              "step does not copy the whole past; refused for attention soft-capping (Gemma-2)")
+    parser.add_argument("--image-size", metavar="HxW", default=None,
+                        help="with --hf of a vision-language model (Qwen2.5-VL, Mistral 3): the image size its vision "
+                             "encoder is exported for; genai's processor resizes every image to it (default: the "
+                             "type's, e.g. 448x448)")
     parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="with --hf: precision")
     add_output_arguments(parser)
     parser.set_defaults(func=_run_genai)
@@ -97,23 +102,40 @@ def register(subparsers) -> None:
 
 
 def _run_genai(args) -> int:
+    from pathlib import Path
+
     from rich.console import Console
     from rich.table import Table
 
     from rope_export.common.steps import cli_steps
-    from rope_export.serve.genai import package_genai
+    from rope_export.serve.genai import ServeError, package_genai
+    from rope_export.serve.genai_vlm import is_vlm_source, package_genai_vlm
 
     console = Console()
+    vlm = is_vlm_source(args.model, args.hf)  # a vision-language model: three components and the image processor
+    if vlm and args.kv_buffer:
+        raise ServeError("--kv-buffer is for causal LMs; a vision-language folder's decoder grows its cache by Concat")
+    if not vlm and args.image_size is not None:
+        raise ServeError("--image-size is for a vision-language model (Qwen2.5-VL, Mistral 3)")
     with cli_steps(console, f"rope-export package genai: {args.output}", args.summary_json) as steps:
-        package = package_genai(args.output, model=args.model, hf=args.hf, weights=args.weights,
-                                random_weights=bool(args.random_weights),
-                                tokenizer=args.tokenizer, target=args.target, dtype=args.dtype, seed=args.seed or 0,
-                                external=args.external_data, kv_buffer=args.kv_buffer, progress=steps)
+        if vlm:
+            package = package_genai_vlm(Path(args.output), folder=None if args.model is None else Path(args.model),
+                                        hf=args.hf, weights=args.weights, random_weights=bool(args.random_weights),
+                                        tokenizer=args.tokenizer, target=args.target, dtype=args.dtype,
+                                        seed=args.seed or 0, image_size=args.image_size,
+                                        external=args.external_data, progress=steps)
+        else:
+            package = package_genai(args.output, model=args.model, hf=args.hf, weights=args.weights,
+                                    random_weights=bool(args.random_weights),
+                                    tokenizer=args.tokenizer, target=args.target, dtype=args.dtype,
+                                    seed=args.seed or 0, external=args.external_data, kv_buffer=args.kv_buffer,
+                                    progress=steps)
         steps.add_files([(path, path.stat().st_size) for path in package.files])
     decoder = package.config["model"]["decoder"]
     table = Table(title=f"{package.folder} (onnxruntime-genai)")
     table.add_column("what")
     table.add_column("value")
+    table.add_row("model type", package.config["model"]["type"])
     table.add_row("files", ", ".join(path.name for path in package.files))
     table.add_row("layers / heads / kv heads / head size", f"{decoder['num_hidden_layers']} / "
                   f"{decoder['num_attention_heads']} / {decoder['num_key_value_heads']} / {decoder['head_size']}")

@@ -35,6 +35,35 @@ def read_range(fileno: int, offset: int, view: memoryview) -> int:
     return done
 
 
+@contextlib.contextmanager
+def parent_folders_made(path: str | os.PathLike) -> Iterator[list[Path]]:
+    """The folders missing above ``path`` are created for the block (as ``mkdir -p``), and removed again, deepest
+    first and only while empty, if the block fails (an export that fails leaves no folder it made). A path
+    ``mkdir`` cannot make (a file where a folder should be) is left to ``check_writable`` to name."""
+    missing = []
+    parent = Path(path).parent
+    try:
+        while str(parent) not in ("", ".") and not parent.exists() and not parent.is_symlink():
+            missing.append(parent)
+            parent = parent.parent
+    except OSError:  # a name too long for the file system: check_writable says so
+        missing = []
+    made = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except OSError:
+            break
+        made.append(folder)
+    try:
+        yield made
+    except BaseException:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
 def check_writable(path: str | os.PathLike) -> Path:
     """The folder ``path`` would be written in; raise an OSError naming the problem if it cannot be.
 

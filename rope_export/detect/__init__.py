@@ -18,9 +18,10 @@ from rope_export.detect.census import (
     compare_with_file,
     rotary_nodes,
 )
-from rope_export.detect.witness import RotationCensus, RotationSite, WitnessError, count_rotations
+from rope_export.detect.witness import POSITION_INPUTS, RotationCensus, RotationSite, WitnessError, count_rotations
 
 __all__ = [
+    "POSITION_INPUTS",
     "CountReport",
     "DecomposedRotationError",
     "RotationCensus",

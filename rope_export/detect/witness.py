@@ -85,6 +85,9 @@ class RotationCensus:
 
     sites: list[RotationSite] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # anything that makes the count less than certain
+    # the forward's tensor inputs (flattened, in order) that are cos/sin tables the caller computed (a pipeline's
+    # rotary tables, a block's position_embeddings): the fusion is told, as the graph alone cannot show it
+    table_inputs: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -216,7 +219,7 @@ class _Witness(TorchDispatchMode):
             return
         tag = self.rule(name, func, args, tensors, tags, outs[0])
         if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
-            self.mutated(name, args, tag)
+            tag = self.mutated(name, args, tag)  # an in-place op returns the tensor it wrote
         for t in outs:
             self.tags[t] = tag
         self.update_shapes(name, tag, outs[0])
@@ -310,13 +313,18 @@ class _Witness(TorchDispatchMode):
         rank = tensors[0].dim() + (1 if name == "aten::stack" else 0)
         return dim % max(rank, 1) == rank - 1
 
-    def mutated(self, name: str, args, tag: _Tag) -> None:
-        """In-place ops: the mutated tensor gets the result's tag; a copy into a last-axis slice of a
-        tensor joins that tensor's rotations (``out[..., ::2] = y1; out[..., 1::2] = y2``)."""
+    def mutated(self, name: str, args, tag: _Tag) -> _Tag:
+        """In-place ops: the mutated tensor gets the result's tag (returned), a copy the copied value's; a copy
+        into a last-axis slice of a tensor joins that tensor's rotations (``out[..., ::2] = y1; out[..., 1::2] =
+        y2``), and a table copied into a constant buffer makes the buffer a table."""
         dst = args[0]
         if name == "aten::copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
             tag = self.tag_of(args[1])
             base = dst._base
+            held = self.tags.get(base, OTHER) if base is not None else None
+            if tag.kind == "trig" and held is not None and (held.kind == "trig" or (
+                    held.kind == "other" and not held.act and not held.rots)):
+                self.tags[base] = tag  # a table written into a constant buffer (zeros: rows of padding positions)
             if tag.rots and base is not None and base.shape[:-1] == dst.shape[:-1]:
                 old = self.tags.get(base) or OTHER
                 rots = old.rots | tag.rots
@@ -325,6 +333,7 @@ class _Witness(TorchDispatchMode):
                 root = self.find(next(iter(rots)))
                 self.events[root].update(shape=tuple(base.shape), numel=_real_numel(base))
         self.tags[dst] = tag
+        return tag
 
     def update_shapes(self, name: str, tag: _Tag, out: torch.Tensor) -> None:
         """A rotation's shape follows its joins and pure reshapes (same size), not expands or copies."""
@@ -361,6 +370,12 @@ def layer_of(path: str | None) -> int | None:
         return None
     match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)
     return int(match.group(1)) if match else None
+
+
+# A module whose forward takes positions as float tensors (diffusers' image ids, LTX-Video's fractional frame
+# coordinates) names them here: the indices of its tensor inputs, in order, that are positions. Trig values of
+# them are tables, as those of integer positions are; any other float input is an activation.
+POSITION_INPUTS = "rope_export_position_inputs"
 
 
 # -- leaves known before the forward ---------------------------------------------------------------
@@ -401,6 +416,8 @@ def _classify_leaves(witness: _Witness, module: nn.Module, inputs: list[torch.Te
     for t in inputs:
         if t not in witness.tags:
             witness.tags[t] = ACT if _floating(t) else OTHER
+    for i in getattr(module, POSITION_INPUTS, ()):  # float positions the module declares: not activations
+        witness.tags[inputs[i]] = OTHER
 
 
 # -- entry point -------------------------------------------------------------------------------------
@@ -432,7 +449,9 @@ def count_rotations(module: nn.Module, args=(), kwargs=None) -> RotationCensus:
     finally:
         for h in handles:
             h.remove()
-    return witness.census()
+    census = witness.census()
+    census.table_inputs = tuple(i for i, t in enumerate(inputs) if witness.tags.get(t) is TRIG)
+    return census
 
 
 def _pop(witness: _Witness, module: nn.Module) -> None:

@@ -69,6 +69,9 @@ class Pairs:
     def __getitem__(self, index):
         return _getitem(self, index)
 
+    def __setitem__(self, index, value):
+        _setitem(self, index, value)
+
     def __mul__(self, other):
         return _mul(self, other)
 
@@ -184,6 +187,18 @@ def _getitem(p: Pairs, index):
     return Pairs(p.pairs[index])
 
 
+def _setitem(p: Pairs, index, value) -> None:
+    """``p[index] = value`` on the pairs (a complex value, or a real one as its real part)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in index):
+        index = (*index, slice(None))
+    if isinstance(value, complex):
+        value = Pairs(torch.tensor([value.real, value.imag], dtype=p.pairs.dtype))
+    if not isinstance(value, Pairs):
+        raise ComplexRewriteError("writing real values into a complex tensor has no real-pair rewrite")
+    p.pairs[index] = value.pairs
+
+
 def _to(p: Pairs, *args, **kwargs):
     if any(isinstance(a, torch.dtype) and not a.is_complex for a in (*args, kwargs.get("dtype"))):
         raise ComplexRewriteError("casting a complex tensor to a real dtype has no real-pair rewrite")
@@ -269,6 +284,7 @@ _HANDLERS = {
     "reshape": lambda p, *shape: Pairs(p.pairs.reshape(*_sizes(shape), 2)),
     "expand": lambda p, *sizes, **kw: Pairs(p.pairs.expand(*_sizes(sizes), 2)),
     "expand_as": lambda p, other: Pairs(p.pairs.expand(*other.shape, 2)),
+    "repeat": lambda p, *sizes: Pairs(p.pairs.repeat(*_sizes(sizes), 1)),
     "unsqueeze": _unsqueeze,
     "squeeze": _squeeze,
     "flatten": _flatten,
@@ -278,6 +294,8 @@ _HANDLERS = {
     "index_select": lambda p, dim, index: Pairs(p.pairs.index_select(_dim(dim, _n(p)), index)),
     "narrow": lambda p, dim, start, length: Pairs(p.pairs.narrow(_dim(dim, _n(p)), start, length)),
     "__getitem__": _getitem,
+    "__setitem__": _setitem,
+    "zeros_like": lambda p, **k: Pairs(torch.zeros_like(p.pairs, dtype=_REAL.get(k.get("dtype"), p.pairs.dtype))),
     "contiguous": lambda p, *a, **k: Pairs(p.pairs.contiguous()),
     "clone": lambda p, *a, **k: Pairs(p.pairs.clone()),
     "detach": lambda p: Pairs(p.pairs.detach()),
@@ -331,6 +349,10 @@ def _creators(name: str, args, kwargs):
         return _make(magnitude * torch.cos(angle), magnitude * torch.sin(angle))
     if name == "complex":
         return _make(*args[:2])
+    if name in ("zeros", "empty") and kwargs.get("dtype") in _REAL:  # a complex buffer to be written
+        size = _sizes(args)
+        options = {k: v for k, v in kwargs.items() if k in ("device", "layout", "pin_memory")}
+        return Pairs(torch.zeros(*size, 2, dtype=_REAL[kwargs["dtype"]], **options))
     if name in ("mul", "__mul__", "__rmul__", "multiply") and any(isinstance(a, complex) for a in args[:2]):
         scalar = next(a for a in args[:2] if isinstance(a, complex))
         other = next(a for a in args[:2] if a is not scalar)

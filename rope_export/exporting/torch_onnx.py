@@ -158,3 +158,54 @@ def _summary_cause(text: str) -> str | None:
 def _first_cause(exc: BaseException) -> str:
     lines = [line.strip() for line in strip_ansi(str(exc)).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[0][:120]}" if lines else type(exc).__name__
+
+
+# -- a program captured with torch.export's defaults --------------------------------------------------
+
+def is_capture_failure(exc: BaseException) -> bool:
+    """Whether torch.onnx failed in its first step, torch.export's capture of the module."""
+    return type(exc).__name__ == "TorchExportError"
+
+
+def export_captured(module, args: tuple, kwargs: dict | None, dynamic_shapes, **options):
+    """``torch.onnx.export`` of the program ``torch.export.export`` captures with its own defaults.
+
+    torch.onnx captures with ``backed_size_oblivious`` on (so that dims of size 0 and 1 stay dynamic), under
+    which torch.export cannot prove some equalities that its defaults prove from the example's sizes
+    (LTX-Video's caption axis after ``view(batch, -1, width)``: ``s41`` against ``s74//s21``). The file's axes
+    are then renamed as ``dynamic_shapes`` names them, as torch.onnx does for a module."""
+    import torch
+
+    program = torch.export.export(module, args, kwargs=kwargs or None, dynamic_shapes=dynamic_shapes, strict=False)
+    onnx_program = torch.onnx.export(program, dynamo=True, **options)
+    onnx_program.rename_axes(_axis_names(onnx_program.model.graph.inputs, dynamic_shapes))
+    return onnx_program
+
+
+def _specs(shapes) -> list:
+    """The per-input specifications ({axis: Dim} or None) of a dynamic_shapes structure, in input order."""
+    if shapes is None or (isinstance(shapes, dict) and all(isinstance(k, int) for k in shapes)):
+        return [shapes]
+    values = shapes.values() if isinstance(shapes, dict) else shapes
+    return [spec for value in values for spec in _specs(value)]
+
+
+def _axis_names(inputs, dynamic_shapes) -> dict[str, str]:
+    """torch.export's symbol of each named axis -> its name (a multiple ``2*Dim("h")`` names its root)."""
+    import sympy
+
+    specs = _specs(dynamic_shapes)
+    names: dict[str, str] = {}
+    if len(specs) != len(inputs):
+        return names
+    for value, spec in zip(inputs, specs, strict=True):
+        for axis, dim in (spec or {}).items():
+            symbol = getattr(value.shape[axis], "value", None) if value.shape is not None else None
+            root = getattr(dim, "root", dim)
+            name = getattr(root, "__name__", None)
+            if not isinstance(symbol, str) or not isinstance(name, str):
+                continue
+            free = sympy.sympify(symbol).free_symbols
+            if len(free) == 1:
+                names.setdefault(str(next(iter(free))), name)
+    return names

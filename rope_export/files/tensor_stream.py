@@ -166,6 +166,17 @@ def _gather(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src)
 
 
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """``array`` itself when C-contiguous, else a C-contiguous copy made by ``_gather``."""
+    if array.flags.c_contiguous:
+        return array
+    out = np.empty(array.shape, array.dtype)
+    with warnings.catch_warnings():  # a read-only view (onnxscript's folded initializers): only read here
+        warnings.simplefilter("ignore", UserWarning)
+        _gather(out, array)
+    return out
+
+
 class SequentialWriter:
     """Write tensors one after another to an open binary file, from a thread of its own.
 

@@ -20,7 +20,10 @@ the file. The modules:
 * ``metadata``: the ``rope_export.*`` metadata, and reading it back;
 * ``checkpoint_files``, ``checkpoints``: checkpoint folders read tensor by tensor, models built with their
   weights in memory once;
-* ``export``: ``export_hf`` (the command: ``rope_export.cli.export_hf``).
+* ``export``: ``export_hf`` (the command: ``rope_export.cli.export_hf``);
+* ``tasks``, ``task_io``, ``task_export``, ``task_patches``: other tasks than the causal LM (encoders, embedders,
+  speech, encoder-decoders): the registry ``TASKS`` and ``select_task``, each task's files, ``export_task``
+  (the command: ``rope_export.cli.export_task``; docs/tasks.md).
 
 transformers is imported lazily: the package imports without it.
 """
@@ -48,6 +51,8 @@ from rope_export.hf.families import HF_FAMILIES, MODEL_TYPES, HFFamily, family_o
 from rope_export.hf.hooking import HookState, model_state_kept, rotary_hooked
 from rope_export.hf.loading import build_hf_model, load_hf_config
 from rope_export.hf.metadata import hf_metadata, read_hf_metadata
+from rope_export.hf.task_export import TaskExportResult, export_task
+from rope_export.hf.tasks import TASKS, Task, TaskChoice, select_task
 
 __all__ = [
     "FALLBACKS",
@@ -61,12 +66,17 @@ __all__ = [
     "HFExportResult",
     "HFFamily",
     "HookState",
+    "TASKS",
+    "Task",
+    "TaskChoice",
+    "TaskExportResult",
     "LayerIO",
     "attention_layers",
     "build_hf_model",
     "cache_keyword",
     "cache_layout",
     "export_hf",
+    "export_task",
     "family_of",
     "hf_example_inputs",
     "hf_io_names",
@@ -81,6 +91,7 @@ __all__ = [
     "rotary_hooked",
     "rotary_module",
     "rotate_half_qk",
+    "select_task",
     "text_config",
     "with_cache",
 ]

@@ -23,15 +23,15 @@ def eager_rotations(module: torch.nn.Module, inputs: tuple) -> RotationCensus:
 
 
 def count_and_compare(census: RotationCensus, onnx_model: onnx.ModelProto, *, allow_decomposed: bool,
-                      notes: list[str]) -> CountReport:
+                      notes: list[str], stacklevel: int = 3) -> CountReport:
     """The census against the file: raises DecomposedRotationError naming the layers left decomposed,
-    or with ``allow_decomposed`` records that as a note and a warning."""
+    or with ``allow_decomposed`` records that as a note and a warning (``stacklevel``: at the export's caller)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = compare_with_file(census, onnx_model, allow_decomposed=allow_decomposed)
     for warning in caught:
         notes.append(str(warning.message).splitlines()[0])
-        warnings.warn(warning.message, stacklevel=3)
+        warnings.warn(warning.message, stacklevel=stacklevel)
     return report
 
 

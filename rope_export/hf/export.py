@@ -43,6 +43,7 @@ from rope_export.exporting.core import (
     rename_dynamic_dims,
 )
 from rope_export.exporting.precision import state_norm_precision
+from rope_export.exporting.stamping import NotStampable, stamp, traced_count, weights_kept_apart
 from rope_export.exporting.torch_onnx import quiet_exporter
 from rope_export.hf.cache_io import (
     AttentionWithCache,
@@ -56,15 +57,16 @@ from rope_export.hf.cache_io import (
 from rope_export.hf.counting import count_and_compare, eager_rotations, refuse_no_rope
 from rope_export.hf.errors import HFExportError
 from rope_export.hf.families import HFFamily, family_of, text_config
-from rope_export.hf.hooking import HookState, detect, forced_failure, model_state_kept, rotary_hooked
+from rope_export.hf.hooking import HookState, model_state_kept, rotary_hooked, verified_functions
+from rope_export.hf.layer_proof import LayerMismatch
 from rope_export.hf.metadata import hf_metadata
-from rope_export.hf.stamping import NotStampable, layer_kinds, reduced, stamp, traced_count, weights_kept_apart
+from rope_export.hf.stamping import census_per_kind, layer_kinds, prove_decoder_layers, reduced
 
 # --hf-fallback: what happens when no rotary function verifies. "auto" (default): plain export, then
 # fuse. "error": refuse. "plain": no hook and no fusion (RoPE stays decomposed, said as a warning).
 # "fuse": skip the hook even if a function verifies (plain export, then fuse).
 FALLBACKS = HF_FALLBACKS  # the names live with export's parser, which imports no torch
-TRACES = HF_TRACES  # --trace: every layer, or two decoder layers stamped per layer where proven
+TRACES = HF_TRACES  # --trace: two decoder layers stamped per layer where proven (default), or every layer
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class HFExportResult:
     notes: list[str] = field(default_factory=list)
     rotations: int = 0  # rotations transformers performs in one eager forward
     layout: CacheLayout | None = None
-    trace: str = "full"  # "full", "full (per-kind not used: why)" or "per-kind: ..." (rope_export.hf.stamping)
+    trace: str = "full"  # "per-kind: ...", "full (per-kind not used: why)" or "full" (rope_export.hf.stamping)
 
     @property
     def custom_nodes(self) -> int:
@@ -125,7 +127,7 @@ def _state_layers(model, layout: CacheLayout) -> str:
     return ", ".join(named)
 
 
-def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError:
+def _export_failure(model, exc: Exception, layout: CacheLayout | None) -> HFExportError:
     """One line naming the model and the innermost cause; an operator torch.onnx cannot translate is named."""
     chain = _chain(exc)
     text = _ANSI.sub("", "\n".join(str(e) for e in chain))
@@ -142,7 +144,7 @@ def _export_failure(model, exc: Exception, layout: CacheLayout) -> HFExportError
             f"every {dim}")
     static = _STATIC_SEQ.search(text)
     if static:
-        where = f" in its recurrent layers {_state_layers(model, layout)}" if layout.has_states else ""
+        where = f" in its recurrent layers {_state_layers(model, layout)}" if layout and layout.has_states else ""
         return HFExportError(
             f"exporting {type(model).__name__} failed: its code fixes the sequence length to the example's "
             f"{static.group(1)} while tracing (a Python loop or branch over the tokens{where}), so no file could "
@@ -277,7 +279,7 @@ def export_hf(
     attention_mask: bool = False,
     kv_buffer: bool = False,
     external: str = "auto",
-    trace: str = "full",
+    trace: str = "per-kind",
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
 ) -> HFExportResult:
@@ -301,9 +303,10 @@ def export_hf(
     (``rope_export.hf.kv_buffer``; opset 24). ``external``: where the weights go
     (``onnx_files.EXTERNAL_DATA``); they are streamed from the model's tensors to disk, never copied
     into one ModelProto. A model that performs no rotation at all (GPT-2) is refused, or with
-    ``allow_no_rope`` written with a warning and a note. ``trace``: ``"full"`` (default) traces every
-    layer; ``"per-kind"`` traces two decoder layers and stamps the rest (``rope_export.hf.stamping``)
-    where that is proven, else the full trace; ``HFExportResult.trace`` says which ran and why.
+    ``allow_no_rope`` written with a warning and a note. ``trace``: ``"per-kind"`` (default) traces the leading
+    decoder layers (two for a dense model) and stamps the rest (``rope_export.hf.stamping``) where that is
+    proven, by structure and by running every stamped layer against transformers' own, else traces every
+    layer; ``"full"`` traces every layer; ``HFExportResult.trace`` says which ran and why.
     """
     say = progress or (lambda message: None)
     if fallback not in FALLBACKS:
@@ -327,8 +330,8 @@ def export_hf(
                                                                             fam.position_rank, seed, attention_mask,
                                                                             kv_buffer)
         counted = None  # per-kind: the leading layers' census, extended by kind (rope_export.hf.stamping)
-        if trace == "per-kind" and layer is None and not attention_mask and not kv_buffer:
-            counted = _census_per_kind(model, fam, layout, (batch, seq, past), seed, say)
+        if trace == "per-kind" and layer is None:
+            counted = census_per_kind(model, fam.position_rank, layout, (batch, seq, past), seed, say)
         if counted is None:
             say("counting the rotations transformers performs in one eager forward")
             with recorded_calls() as called, _buffer_attention(model, kv_buffer):
@@ -338,21 +341,15 @@ def export_hf(
         refuse_no_rope(census, model.config.model_type if layer is None else f"{model.config.model_type} layer {layer}",
                        allow_no_rope=allow_no_rope, notes=notes)
         say("finding the rotary functions the model calls")
-        functions = [] if fallback in ("plain", "fuse") else detect(model, fam, called)
-    if not functions and fam.forced and fallback not in ("plain", "fuse"):
-        raise forced_failure(model, fam)
-    if not functions and fallback == "error":
-        raise HFExportError(f"no function {type(model).__name__} calls verifies as a rotary form, and "
-                            "fallback='error' was asked; drop it to export plain and fuse")
+        functions = verified_functions(model, fam, called, fallback)
     program, traced = None, "full"
     if trace == "per-kind":
-        why = ("--layer" if layer is not None else "--attention-mask" if attention_mask else
-               "--kv-buffer" if kv_buffer else "")
-        why = f"{why} exports are traced in full" if why else ""
+        why = "--layer exports (one attention layer) are traced in full" if layer is not None else ""
         if not why:
             try:
                 program, hook, traced = _per_kind(model, fam, functions, census, layout, input_names, output_names,
-                                                  (batch, seq, past), seed, opset, fallback, notes, verbose, say)
+                                                  (batch, seq, past), seed, opset, fallback, notes, verbose, say,
+                                                  attention_mask, kv_buffer)
             except NotStampable as exc:
                 why = str(exc)
         if program is None:
@@ -364,19 +361,9 @@ def export_hf(
                     census = eager_rotations(module, inputs)
     if program is None:
         say(f"exporting {type(model).__name__} ({kind}, {len(layout.layers)} cache layers) with torch.export")
-        hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
-        try:
-            with model_state_kept(model), hook_ctx as hook, _buffer_attention(model, kv_buffer):
-                program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say,
-                                  extra=_buffer_translations(kv_buffer))
-        except HFExportError:
-            raise
-        except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
-            raise _export_failure(model, exc, layout) from exc
-        if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
-            _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
-    description = _describe(hook, fallback)
-    state_norm_precision(program.model)  # float32 norm statistics in the types (rope_export.exporting.precision)
+        program, hook = traced_and_fused(model, module, inputs, shapes, input_names, output_names, fam=fam,
+                                         functions=functions, census=census, opset=opset, fallback=fallback,
+                                         notes=notes, verbose=verbose, say=say, layout=layout, kv_buffer=kv_buffer)
     onnx_model = graph_proto(program)  # the graph to edit; the weights stay in torch until finish_export
     _check_dynamic(onnx_model, fam.position_rank)
     _name_dims(onnx_model, fam.position_rank, layout, attention_mask or kv_buffer)
@@ -385,22 +372,55 @@ def export_hf(
 
         to_standard_ops(onnx_model)
         name_buffer_dims(onnx_model)
-    say("comparing the eager rotations with the file's rotary nodes")
-    report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
-                               notes=notes)
-    metadata = hf_metadata(model, fam, hook_description=description,
-                           interleaved=hook.interleaved if hook is not None else False,
-                           dtype=dtype_name, kind=kind, weights=weights, seed=seed, layer=layer)
-    metadata[METADATA_PREFIX + "rotations_eager"] = str(report.expected)
-    metadata[METADATA_PREFIX + "rotary_nodes"] = str(report.found)
-    if kind == "hf-causal-lm":  # how the cache is carried: grown by Concat, or buffers updated in place
-        metadata[METADATA_PREFIX + "kv_cache"] = "buffer" if kv_buffer else "concat"
-    for key, value in metadata.items():
-        onnx_model.metadata_props.add(key=key, value=value)
-    onnx_model.producer_name, onnx_model.producer_version = "rope-export", __version__
-    onnx_model = finish_export(onnx_model, program, output, external=external, progress=say)
+    extra = {"kv_cache": "buffer" if kv_buffer else "concat"} if kind == "hf-causal-lm" else {}  # how the cache
+    # is carried: grown by Concat, or buffers updated in place
+    onnx_model, report, description = counted_and_written(
+        onnx_model, program, model, census, fam, hook, fallback=fallback, allow_decomposed=allow_decomposed,
+        notes=notes, metadata=dict(dtype=dtype_name, kind=kind, weights=weights, seed=seed, layer=layer),
+        extra=extra, output=output, external=external, say=say)
     return HFExportResult(onnx_model, None if output is None else Path(output), fam, description, len(layout.layers),
                           kind, notes, report.expected, layout, traced)
+
+
+def traced_and_fused(model, module, inputs, shapes, input_names, output_names, *, fam: HFFamily, functions,
+                     census, opset: int, fallback: str, notes: list[str], verbose: bool, say,
+                     layout: CacheLayout | None = None, kv_buffer: bool = False):
+    """(program, hook): ``module`` (a wrapper of ``model``) traced by torch.export with the verified rotary
+    ``functions`` routed through the op, the model kept as it was; the rotations no hook reached are fused
+    (unless ``fallback`` is "plain"). Any export of a transformers model, whatever its task, goes through here."""
+    hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
+    try:
+        with model_state_kept(model), hook_ctx as hook, _buffer_attention(model, kv_buffer):
+            program = _export(module, inputs, shapes, input_names, output_names, opset, verbose, say,
+                              extra=_buffer_translations(kv_buffer))
+    except HFExportError:
+        raise
+    except Exception as exc:  # torch.export / onnxscript errors: name the model and the op, keep the cause
+        raise _export_failure(model, exc, layout) from exc
+    if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
+        _fuse(program, notes, hooked=hook is not None)  # what no hook reached is fused
+    state_norm_precision(program.model)  # float32 norm statistics in the types (rope_export.exporting.precision)
+    return program, hook
+
+
+def counted_and_written(onnx_model: onnx.ModelProto, program, model, census, fam: HFFamily, hook, *, fallback: str,
+                        allow_decomposed: bool, notes: list[str], metadata: dict, extra: dict, output, external: str,
+                        say) -> tuple[onnx.ModelProto, object, str]:
+    """(the file's ModelProto, the count report, the hook's description): the eager rotations compared with the
+    file's rotary nodes (a shortfall is an error unless allowed), the metadata (``hf_metadata``'s keywords in
+    ``metadata``, more keys in ``extra``), then the atomic write (``finish_export``)."""
+    description = _describe(hook, fallback)
+    say("comparing the eager rotations with the file's rotary nodes")
+    report = count_and_compare(census, onnx_model, allow_decomposed=allow_decomposed or fallback == "plain",
+                               notes=notes, stacklevel=4)
+    props = hf_metadata(model, fam, hook_description=description,
+                        interleaved=hook.interleaved if hook is not None else False, **metadata)
+    props |= {METADATA_PREFIX + key: value for key, value in
+              {"rotations_eager": str(report.expected), "rotary_nodes": str(report.found), **extra}.items()}
+    for key, value in props.items():
+        onnx_model.metadata_props.add(key=key, value=value)
+    onnx_model.producer_name, onnx_model.producer_version = "rope-export", __version__
+    return finish_export(onnx_model, program, output, external=external, progress=say), report, description
 
 
 def _buffer_attention(model, kv_buffer: bool):
@@ -427,32 +447,8 @@ def _describe(hook: HookState | None, fallback: str) -> str:
     return "none (no rotary function verified): plain export fused by rope_export.passes.fuse"
 
 
-def _census_per_kind(model, fam, layout, example, seed, say):
-    """(census, functions called) from one eager forward of the leading decoder layers the per-kind trace
-    traces, extended to every layer by kind (``census_by_kind``); None when the layers cannot be grouped
-    (the full census is taken, and the full trace says why). The eager forward of a 32-layer 8B model took
-    21.5 s of its per-kind export; this one runs the layers the trace runs."""
-    from rope_export.hf.stamping import census_by_kind
-
-    try:
-        kinds = layer_kinds(model, layout)
-    except NotStampable:
-        return None
-    traced = traced_count(kinds)
-    batch, seq, past = example
-    say(f"counting the rotations transformers performs in one eager forward of the {traced} leading decoder layers")
-    with model_state_kept(model), reduced(model, traced):
-        small = cache_layout(model)
-        inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
-                                   position_rank=fam.position_rank, layout=small)
-        module, inputs, *_ = _wrapper(model, None, inputs, small, fam.position_rank, seed)
-        with recorded_calls() as called:
-            census = eager_rotations(module, inputs)
-    return census_by_kind(census, kinds), called
-
-
 def _per_kind(model, fam, functions, census, layout, input_names, output_names, example, seed, opset, fallback,
-              notes, verbose, say):
+              notes, verbose, say, attention_mask=False, kv_buffer=False):
     """(program, hook, what ran): the model cut to its leading decoder layers (each kind at least once past
     layer 0), traced, fused, stamped per layer; the rotary nodes per layer must equal transformers' rotations
     per layer. NotStampable says why not."""
@@ -468,13 +464,15 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
         f"({len(set(kinds))} kind(s) of layer)")
     try:
         with model_state_kept(model), reduced(model, traced) as layers_name, hook_ctx as hook, \
-                weights_kept_apart(layers_name):
+                weights_kept_apart(layers_name), _buffer_attention(model, kv_buffer):
             small = cache_layout(model)
             inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
-                                       position_rank=fam.position_rank, layout=small)
+                                       position_rank=fam.position_rank, layout=small,
+                                       attention_mask=attention_mask or kv_buffer)
             module, inputs, shapes, names_in, names_out, _ = _wrapper(model, None, inputs, small, fam.position_rank,
-                                                                     seed)
-            program = _export(module, inputs, shapes, names_in, names_out, opset, verbose, say)
+                                                                     seed, attention_mask, kv_buffer)
+            program = _export(module, inputs, shapes, names_in, names_out, opset, verbose, say,
+                              extra=_buffer_translations(kv_buffer))
             prefix = next(name for name, m in module.named_modules() if m is model) + "."
     except Exception as exc:  # noqa: BLE001 - whatever fails on two layers is left to the full trace to report
         raise NotStampable(f"the {traced}-layer trace failed ({type(exc).__name__})") from exc
@@ -483,8 +481,10 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
                                 sum(c for layer, c in want.items() if layer is None or layer < traced)):
         _fuse(program, notes, hooked=hook is not None)
     say(f"stamping the traced layers {n - traced} times with each layer's weights and cache")
-    added = stamp(program.model, model, layers_name=layers_name, onnx_prefix=prefix, kinds=kinds,
-                  input_names=input_names, output_names=output_names)
+    stamped = stamp(program.model, model, layers_name=layers_name, onnx_prefix=prefix, kinds=kinds,
+                    input_names=input_names, output_names=output_names)
+    added = sum(len(layer.nodes) for layer in stamped)
+    state_norm_precision(program.model)  # every layer's norms, the stamped ones too (rope_export.exporting.precision)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -493,5 +493,11 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
             raise NotStampable(f"the stamped file's rotary nodes disagree with transformers ({exc})") from exc
     if not report.layers or any(w != h for w, h in report.layers.values()):
         raise NotStampable("the stamped file's rotary nodes per layer differ from transformers' rotations per layer")
+    try:
+        proof = prove_decoder_layers(program.model, model, layout, stamped, kinds, position_rank=fam.position_rank,
+                                     attention_mask=attention_mask, kv_buffer=kv_buffer, seed=seed, example=example,
+                                     progress=say)
+    except LayerMismatch as exc:
+        raise NotStampable(str(exc)) from exc
     return program, hook, (f"per-kind: {traced} of {n} decoder layers traced and counted ({len(set(kinds))} kind(s)), "
-                           f"{n - traced} stamped ({added} nodes)")
+                           f"{n - traced} stamped ({added} nodes); {proof.describe()}")

@@ -99,6 +99,18 @@ def forced_failure(model: nn.Module, family: HFFamily) -> HFExportError:
     return HFExportError(f"{type(model).__name__} calls no function named {family.function!r}; drop --hf-family")
 
 
+def verified_functions(model, fam: HFFamily, called: set, fallback: str) -> list:
+    """The rotary functions the model's code called that verify (none with ``fallback`` "plain" or "fuse"); a forced
+    family that does not fit, or none verified with ``fallback`` "error", is refused."""
+    functions = [] if fallback in ("plain", "fuse") else detect(model, fam, called)
+    if not functions and fam.forced and fallback not in ("plain", "fuse"):
+        raise forced_failure(model, fam)
+    if not functions and fallback == "error":
+        raise HFExportError(f"no function {type(model).__name__} calls verifies as a rotary form, and "
+                            "fallback='error' was asked; drop it to export plain and fuse")
+    return functions
+
+
 @contextlib.contextmanager
 def rotary_hooked(model: nn.Module, *, family: str | HFFamily | None = None,
                   functions: list[RotaryFunction] | None = None) -> Iterator[HookState]:

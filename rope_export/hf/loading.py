@@ -65,6 +65,16 @@ def weights_beside(config: str | os.PathLike) -> Path | None:
     return None
 
 
+def chosen_weights(hf, weights, random_weights: bool, seed: int) -> tuple[str | os.PathLike | None, str]:
+    """(the weights ``export --hf`` builds with, the summary's first line saying which): ``weights`` when given,
+    none with ``random_weights``, else the checkpoint in the ``hf`` folder (``weights_beside``)."""
+    weights = weights if weights is not None or random_weights else weights_beside(hf)
+    if weights is not None:
+        return weights, f"weights from {weights}"
+    why = "--random-weights" if random_weights else f"{hf} holds no checkpoint; give --weights DIR"
+    return None, f"random weights (seed {seed}): not a trained model ({why})"
+
+
 def _reason(exc: BaseException) -> str:
     """The innermost cause's message, on one line (strict-dataclass validation wraps the real ValueError)."""
     while exc.__cause__ is not None:
@@ -88,8 +98,11 @@ def check_config(config) -> None:
 
 
 def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: str = "fp32", seed: int = 0,
-                   random_weights: bool = False, progress: Callable[[str], None] | None = None):
-    """The causal LM of ``config`` (a config object or a path) with the weights ``export --hf`` would use.
+                   random_weights: bool = False, progress: Callable[[str], None] | None = None,
+                   model_class: str | None = None):
+    """The causal LM of ``config`` (a config object or a path) with the weights ``export --hf`` would use;
+    ``model_class``: another transformers class (an Auto class or a model class, by name) to build instead
+    (``rope_export.hf.tasks`` picks it for a task).
 
     ``weights``: a local checkpoint folder. Without it, a path ``config`` uses the checkpoint beside it
     (``weights_beside``: the folder itself, or the one holding the .json), as the CLI does; random
@@ -112,8 +125,11 @@ def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: s
         raise HFExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     check_config(config)
     model_type = config.model_type
-    auto_name = MODEL_TYPES[model_type].auto_class if model_type in MODEL_TYPES else "AutoModelForCausalLM"
+    auto_name = model_class or (MODEL_TYPES[model_type].auto_class if model_type in MODEL_TYPES else
+                                "AutoModelForCausalLM")
     auto = getattr(transformers, auto_name)
+    if not auto_name.startswith("Auto"):  # a model class: built as from_config/from_pretrained of an Auto class
+        auto = _AsAutoClass(auto)
     options = dict(attn_implementation="eager", experts_implementation=EXPERTS_IMPLEMENTATION)
     try:
         model, _ = build_causal_lm(auto, config, DTYPES[dtype], weights=weights, seed=seed, options=options,
@@ -124,3 +140,16 @@ def build_hf_model(config, weights: str | os.PathLike | None = None, *, dtype: s
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HFExportError(f"cannot build a {auto_name} for model_type {model_type!r}: {first}") from None
     return model.eval()
+
+
+class _AsAutoClass:
+    """A transformers model class with an Auto class's ``from_config`` (``build_causal_lm`` calls that)."""
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def from_config(self, config, **options):
+        return self.cls._from_config(config, **options)
+
+    def from_pretrained(self, *args, **options):
+        return self.cls.from_pretrained(*args, **options)

@@ -1,57 +1,61 @@
-"""Trace once per kind of decoder layer: trace the leading layers, stamp one traced layer per real layer.
+"""The per-kind trace for transformers' decoders: ``rope_export.exporting.stamping`` on a causal LM's layers.
 
-Tracing, decomposing and optimizing scale with the number of layers although layers of one kind
-are one graph with other weights. ``export_hf(trace="per-kind")`` groups the decoder layers into
-kinds (``layer_kinds``: same classes, plain attributes with ``layer_idx`` aside, parameter shapes
-and dtypes, ``layer_types`` entry and cache slots), exports the model cut to its leading layers
-until every kind has appeared at a position past layer 0 (``traced_count``, ``reduced``: two
-layers for a dense model), then ``stamp`` copies, for each further layer, the nodes of the first
-traced layer of its kind, with that layer's weights (the torch tensors, or the same strided view
-onnxscript folded a Transpose into) and cache inputs/outputs. Past layer 0, because a copy reads
-from the copy before it what that traced layer read from the layer before it: the hidden state,
-and nothing else; what the layers read from outside (cos/sin, masks, shape constants) is shared.
-
-Only what this module can check is stamped; anything else raises ``NotStampable`` with the
-reason, and the caller falls back to the full trace and says so:
-* the cache is one key/value pair per layer (recurrent and indexer caches: full trace so far);
-* each template (a traced layer's own computation: the nodes that read its weights, its cache
-  inputs or the hidden state) reads exactly one value of the layer before and hands exactly one
-  on, the one the next traced layer reads; it reads every one of its parameters as such (or as a
-  view), and besides them only small constants (shapes, scalars) and values computed outside it;
-* the stamped graph's rotary nodes per layer equal the rotations transformers performs per layer
-  (checked by the caller).
-* the layers of one kind hold equal buffers (a copy shares its template's constants);
-* no module of a layer reads its layer index in ``forward`` but to hand it to a call (the cache
-  update's ``self.layer_idx``): a branch or a value per layer would differ between a layer and its
-  copy (``layer_index_use`` reads each class's source);
-Not detectable here: a layer index reached another way (a global counter, a closure). Hence the
-opt-in; the quick zoo's tests compare every stamped type with its full trace.
+What is particular to a decoder: its layers are the one ``ModuleList`` named ``layers`` of
+``num_hidden_layers`` modules (``decoder_layers``); two layers are one kind when, besides what
+``group_layers`` compares, their ``layer_types`` entry and cache slots are the same, and only one
+key/value pair per layer is stamped (recurrent and indexer caches: the full trace so far); the
+model is cut with its config (``reduced``); the rotations are counted in an eager forward of the
+traced layers and extended by kind (``census_per_kind``); and every stamped layer is proven against
+transformers' own (``prove_decoder_layers``: ``rope_export.hf.layer_proof`` with the model's
+forward run on ``CausalLMWithCache``'s inputs: the first stamped layer of each kind at two cache lengths, one
+on each side of the traced example's past+seq, each later one once, at positions on both sides of it; with
+a KV buffer, the buffers holding that past).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import functools
-import inspect
 import re
-import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-import numpy as np
-import onnx_ir as ir
 import torch
 
+from rope_export.exporting.stamping import (
+    MIN_LAYERS,
+    NotStampable,
+    StampedLayer,
+    cut_layers,
+    group_layers,
+    templates_of,
+    traced_count,
+)
+from rope_export.hf.cache_io import CausalLMWithCache, cache_layout, hf_example_inputs, hf_io_names
 from rope_export.hf.families import text_config
+from rope_export.hf.hooking import model_state_kept
+from rope_export.hf.layer_proof import (
+    Case,
+    LayerMismatch,
+    Proof,
+    alone,
+    numpy_of,
+    prove_layers,
+    run_stopped,
+)
 
-SCOPES = "pkg.torch.onnx.name_scopes"
-NAMESPACE = "namespace"
-MIN_LAYERS = 3  # with two or fewer layers the full trace is as short
-SHARED_LIMIT = 4096  # bytes: a constant a layer shares with the others is a shape or a scalar, not a folded weight
+
+def proof_cases(example: tuple[int, int, int]) -> tuple[tuple[int, int, int], ...]:
+    """(batch, seq, past) of the layer proof around the traced example's past+seq T (7 for export_hf's default
+    (2, 4, 3)): past 1 with 2 new tokens and past T+2 with 3 (past+seq 3 and T+5), the first stamped layer of
+    each kind's graph on either side of T (T+5 = 12 is past the quick zoo's sliding windows of 4, so a sliding
+    layer is proven past its window too); and for each later layer (``LATER_CASES``) one row, past 1 with T new
+    tokens: its queries see 2 to T+1 keys, on both sides of T and past those windows. One row of few tokens,
+    because a later layer's cost is its eager runs: at 2 rows of T+4 tokens a 1B fp32 layer's matrix products
+    cost 4 times as much as at 4 tokens (one thread, compute no longer hidden by reading the weights)."""
+    total = example[1] + example[2]
+    return (2, 2, 1), (2, 3, total + 2), (1, total, 1)
 
 
-class NotStampable(Exception):
-    """Why the per-kind trace cannot be used for this model (the full trace is taken)."""
+FIRST_CASES, LATER_CASES = (0, 1), (2,)  # indices into proof_cases(): which the first layer of a kind, a later one run
 
 
 def decoder_layers(model) -> tuple[torch.nn.Module, str, torch.nn.ModuleList, str]:
@@ -66,48 +70,6 @@ def decoder_layers(model) -> tuple[torch.nn.Module, str, torch.nn.ModuleList, st
     return model.get_submodule(parent_name), attribute, layers, name
 
 
-def _plain(value) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return isinstance(value, (bool, int, float, str, type(None)))
-
-
-def _plain_attributes(module: torch.nn.Module) -> dict:
-    """Settings of a module (numbers, strings, and lists, tuples, dicts of them), layer_idx aside."""
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "layer_idx" and _plain(v)}
-
-
-def _signature(layer: torch.nn.Module, layer_type, io) -> tuple:
-    """What makes two decoder layers one kind: classes, plain attributes, parameters, layer type, cache."""
-    modules = tuple((n, type(m).__qualname__, tuple(sorted(_plain_attributes(m).items(), key=str)))
-                    for n, m in layer.named_modules())
-    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters())
-    return modules, params, layer_type, tuple((s.name, s.shape, s.past_axis) for s in io.slots)
-
-
-@functools.cache
-def layer_index_use(cls: type) -> str | None:
-    """How ``cls.forward`` uses the layer index other than as a call's argument (the cache update's
-    ``self.layer_idx``): a branch or a value per layer, which a stamped copy of another layer would not
-    have; None if it does not."""
-    forward = getattr(cls, "forward", None)
-    if forward is None or forward is torch.nn.Module.forward:
-        return None
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return f"the source of {cls.__qualname__}.forward cannot be read"
-    arguments = {id(a) for node in ast.walk(tree) if isinstance(node, ast.Call)
-                 for a in (*node.args, *(k.value for k in node.keywords))}
-    for node in ast.walk(tree):
-        named = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-        if named == "layer_idx" and id(node) not in arguments:
-            return f"{cls.__qualname__}.forward reads its layer index ({ast.unparse(node)}) to compute or branch"
-    return None
-
-
 def layer_kinds(model, layout) -> list[int]:
     """Each decoder layer's kind (the index of the first layer like it); NotStampable when layers cannot
     be grouped or nothing would be gained."""
@@ -118,47 +80,10 @@ def layer_kinds(model, layout) -> list[int]:
         raise NotStampable("the cache layers are not one per decoder layer")
     if any(set(io.names()) - {"key", "value"} for io in layout.layers):
         raise NotStampable("layers with recurrent or indexer caches are traced in full so far")
-    for cls in dict.fromkeys(type(m) for m in layers.modules() if m is not layers):
-        why = layer_index_use(cls)
-        if why:
-            raise NotStampable(why)
     types = list(getattr(text_config(model.config), "layer_types", None) or [None] * len(layers))
-    signatures = [_signature(layer, types[i] if i < len(types) else None, layout.layers[i])
-                  for i, layer in enumerate(layers)]
-    kinds = [signatures.index(sig) for sig in signatures]
-    _same_constants(layers, kinds)
-    if traced_count(kinds) >= len(layers):
-        raise NotStampable(f"{len(set(kinds))} kinds of layers: every layer would be traced anyway")
-    return kinds
-
-
-def _constants(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A layer's buffers and the tensors its modules hold as plain attributes (traced as constants too)."""
-    found = dict(layer.named_buffers())
-    for prefix, module in layer.named_modules():
-        found.update({f"{prefix}.{k}".lstrip("."): v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
-    return found
-
-
-def _same_constants(layers: torch.nn.ModuleList, kinds: list[int]) -> None:
-    """Buffers and tensor attributes are no parameters: a copy reads its template's (a constant up to
-    ``SHARED_LIMIT`` is shared), so the layers of one kind must hold equal ones; NotStampable names a per-layer
-    constant that differs."""
-    for i, layer in enumerate(layers):
-        first = _constants(layers[kinds[i]])
-        for name, buffer in _constants(layer).items():
-            other = first.get(name)
-            if other is None or other.shape != buffer.shape or other.dtype != buffer.dtype or \
-                    buffer.device.type == "meta" or not torch.equal(other, buffer):
-                raise NotStampable(f"decoder layer {i}'s buffer {name} differs from layer {kinds[i]}'s (a constant "
-                                   "per layer, which a stamped copy would not have)")
-
-
-def traced_count(kinds: list[int]) -> int:
-    """How many leading layers to trace: each kind of a layer past 0 must appear at a position >= 1 (its
-    template reads the hidden state a traced layer before it hands on); a kind of layer 0 alone (DeepSeek's
-    dense first layer) needs no template."""
-    return 1 + max(kinds.index(k, 1) for k in set(kinds[1:]))
+    extras = [(types[i] if i < len(types) else None, tuple((s.name, s.shape, s.past_axis) for s in io.slots))
+              for i, io in enumerate(layout.layers)]
+    return group_layers(layers, extras)
 
 
 def census_by_kind(census, kinds: list[int]):
@@ -171,7 +96,7 @@ def census_by_kind(census, kinds: list[int]):
     from rope_export.detect.witness import RotationCensus
 
     traced, n = traced_count(kinds), len(kinds)
-    source = {k: next(j for j in range(1, traced) if kinds[j] == k) for k in set(kinds[traced:])}
+    source = templates_of(kinds)
     sites = list(census.sites)
     first_number = re.compile(r"(?<![^.])\d+(?![^.])")
     for layer in range(traced, n):
@@ -183,288 +108,137 @@ def census_by_kind(census, kinds: list[int]):
     return RotationCensus(sites, [*census.notes, note])
 
 
+def census_per_kind(model, position_rank: int, layout, example, seed: int, say):
+    """(census, functions called) from one eager forward of the leading decoder layers the per-kind trace
+    traces, extended to every layer by kind (``census_by_kind``); None when the layers cannot be grouped
+    (the full census is taken, and the full trace says why). The eager forward of a 32-layer 8B model took
+    21.5 s of its per-kind export; this one runs the layers the trace runs."""
+    from rope_export.detect.functions import recorded_calls
+    from rope_export.hf.counting import eager_rotations
+
+    try:
+        kinds = layer_kinds(model, layout)
+    except NotStampable:
+        return None
+    traced = traced_count(kinds)
+    batch, seq, past = example
+    say(f"counting the rotations transformers performs in one eager forward of the {traced} leading decoder layers")
+    with model_state_kept(model), reduced(model, traced):
+        small = cache_layout(model)
+        inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed, position_rank=position_rank,
+                                   layout=small)
+        with recorded_calls() as called:
+            census = eager_rotations(CausalLMWithCache(model, small).eval(), inputs)
+    return census_by_kind(census, kinds), called
+
+
 @contextlib.contextmanager
 def reduced(model, keep: int = 2) -> Iterator[str]:
     """The model cut to its first ``keep`` decoder layers (config too); yields the layers' qualified name."""
-    holder, attribute, layers, name = decoder_layers(model)
+    holder, attribute, _, name = decoder_layers(model)
     config = text_config(model.config)
     saved_types = getattr(config, "layer_types", None)
     saved_n = config.num_hidden_layers
-    setattr(holder, attribute, torch.nn.ModuleList(list(layers)[:keep]))
     config.num_hidden_layers = keep
     if saved_types is not None:
         config.layer_types = list(saved_types)[:keep]
     try:
-        yield name
+        with cut_layers(holder, attribute, keep):
+            yield name
     finally:
-        setattr(holder, attribute, layers)
         config.num_hidden_layers = saved_n
         if saved_types is not None:
             config.layer_types = saved_types
 
 
+def prove_decoder_layers(program_model, model, layout, stamped: list[StampedLayer], kinds: list[int], *,
+                         position_rank: int, attention_mask: bool = False, kv_buffer: bool = False, seed: int = 0,
+                         example: tuple[int, int, int],
+                         progress: Callable[[str], None] | None = None) -> Proof:
+    """Every stamped decoder layer of ``program_model`` against transformers' own (``layer_proof.prove_layers``)
+    at ``proof_cases(example)`` (``example``: what was traced); LayerMismatch names the first that differs."""
+    from rope_export.hf.cache_io import _slot_tensor
+
+    _, _, layers, _ = decoder_layers(model)
+    mask = attention_mask or kv_buffer
+    names, _ = hf_io_names(layout, attention_mask=mask)
+    shapes = proof_cases(example)
+    inputs = [hf_example_inputs(model, batch=b, seq=s, past=p, seed=seed + n, position_rank=position_rank,
+                                layout=layout, attention_mask=mask) for n, (b, s, p) in enumerate(shapes)]
+    fed = [_buffers(case) if kv_buffer else case for case in inputs]
+    hidden = text_config(model.config).hidden_size
+    cases = [Case({name: numpy_of(t) for name, t in zip(names, case, strict=True)}, (b, s, hidden),
+                  f"past {p}, {s} new tokens") for case, (b, s, p) in zip(fed, shapes, strict=True)]
+    wrapper = CausalLMWithCache(model, layout, attention_mask=mask)
+
+    def eager(index: int, state: torch.Tensor, n: int, weights_of: int | None = None) -> list[torch.Tensor]:
+        own = index if weights_of is None else weights_of  # whose weights and past
+        case = inputs[n] if own == index else _past_moved(inputs[n], layout, own, index, mask)
+        with alone(layers, index, state) as seen, _weights_of(layers, index, own):
+            output = run_stopped(lambda: wrapper(*case), seen, index)
+        from transformers.cache_utils import Cache
+
+        cache = next((v for v in (*seen["args"], *seen["kwargs"].values()) if isinstance(v, Cache)), None)
+        if cache is None:
+            raise LayerMismatch(f"decoder layer {index} was handed no cache")
+        presents = [_slot_tensor(cache.layers[index], slot.name) for slot in layout.layers[index].slots]
+        if kv_buffer:  # the file's presents are the buffers, filled up to past+seq
+            presents = [_filled(buffer, present) for buffer, present in
+                        zip(_own(fed[n], layout, own, mask), presents, strict=True)]
+        return [output if isinstance(output, torch.Tensor) else output[0], *presents]
+
+    def outputs(index: int) -> list[str]:
+        return [f"present.{index}.{slot.name}" for slot in layout.layers[index].slots]
+
+    session = None
+    if kv_buffer:  # its custom nodes renamed to ai.onnx first, as the export does
+        from rope_export.hf.kv_buffer import to_standard_ops
+        from rope_export.hf.layer_proof import ort_session, reference_session
+
+        def session(proto):
+            run = reference_session if next(model.parameters()).dtype == torch.bfloat16 else ort_session
+            return run(proto, rename=to_standard_ops)
+    with model_state_kept(model):
+        return prove_layers(program_model, stamped, kinds, layers=layers, cases=cases, eager=eager,
+                            first=FIRST_CASES, later=LATER_CASES, output_names=outputs, session=session, seed=seed,
+                            progress=progress)
+
+
+def _buffers(case: tuple) -> tuple:
+    """``case`` (ids, positions, mask, *pasts) with each past a KV buffer (``kv_buffer.example_buffers``)."""
+    from rope_export.hf.kv_buffer import example_buffers
+
+    return example_buffers(None, None, case)
+
+
+def _own(case: tuple, layout, index: int, mask: bool) -> list[torch.Tensor]:
+    """Decoder layer ``index``'s past tensors (or buffers) in ``case`` (``CausalLMWithCache``'s inputs)."""
+    first = 2 + int(mask) + sum(len(io.slots) for io in layout.layers[:index])
+    return list(case[first:first + len(layout.layers[index].slots)])
+
+
+def _past_moved(case: tuple, layout, source: int, target: int, mask: bool) -> tuple:
+    """``case`` with layer ``target``'s past replaced by layer ``source``'s."""
+    first = 2 + int(mask) + sum(len(io.slots) for io in layout.layers[:target])
+    moved = list(case)
+    moved[first:first + len(layout.layers[target].slots)] = _own(case, layout, source, mask)
+    return tuple(moved)
+
+
 @contextlib.contextmanager
-def weights_kept_apart(layers_name: str) -> Iterator[None]:
-    """Each decoder layer's parameters stay initializers of their own while the leading layers are traced, so
-    that a copy can read another layer's in their place; else ``stamp`` refuses the layer that does not read
-    each of its parameters. Two onnxscript passes would merge or replace them:
+def _weights_of(layers: torch.nn.ModuleList, index: int, source: int) -> Iterator[None]:
+    """Layer ``index``'s module computes with layer ``source``'s parameters and buffers for the block."""
+    if source == index:
+        yield
+        return
+    from torch.nn.utils.stateless import _reparametrize_module
 
-    * ``DeduplicateInitializersPass`` merges equal small initializers (up to 1024 elements): two layers' norm
-      weights of ones would become one tensor; its size limit is set to 0;
-    * constant folding (``optimize_ir``, which torch.onnx runs) folds a node whose inputs are all constants
-      into a new initializer: Gemma's ``1 + weight`` of each norm becomes a tensor no other layer's weight
-      gives; its ``should_fold`` now keeps every node but a Transpose that reads a layer's parameter (a folded
-      Transpose is a view of the parameter, which ``stamp`` takes of each layer's own; the runtime folds the
-      rest when it loads the file).
-    Either is left alone where onnx_ir or onnxscript differs from the versions this was written against."""
-    layer_parameter = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.\d+\.")
-
-    def should_fold(node: ir.Node) -> bool | None:
-        if node.op_type != "Transpose" and any(v is not None and v.is_initializer() and layer_parameter.search(v.name)
-                                               for v in node.inputs):
-            return False
-        return None
-
-    with contextlib.ExitStack() as stack:
-        try:
-            from onnx_ir.passes.common.initializer_deduplication import DeduplicateInitializersPass
-        except ImportError:
-            pass
-        else:
-            if DeduplicateInitializersPass.__init__.__defaults__ == (1024,):
-                stack.enter_context(_default_replaced(DeduplicateInitializersPass.__init__, "__defaults__", (0,)))
-        try:
-            from onnxscript.optimizer._optimizer import optimize_ir  # torch.onnx's optimize calls it, no should_fold
-        except ImportError:
-            pass
-        else:
-            defaults = optimize_ir.__kwdefaults__ or {}
-            if "should_fold" in defaults:
-                stack.enter_context(_default_replaced(optimize_ir, "__kwdefaults__",
-                                                      {**defaults, "should_fold": should_fold}))
+    state = dict((*layers[source].named_parameters(), *layers[source].named_buffers()))
+    with _reparametrize_module(layers[index], state):
         yield
 
 
-@contextlib.contextmanager
-def _default_replaced(function, attribute: str, value) -> Iterator[None]:
-    saved = getattr(function, attribute)
-    setattr(function, attribute, value)
-    try:
-        yield
-    finally:
-        setattr(function, attribute, saved)
-
-
-# -- stamping the traced graph ------------------------------------------------------------------
-
-def _layer_of(node: ir.Node, scope: re.Pattern) -> int | None:
-    found = scope.search(node.metadata_props.get(SCOPES, ""))
-    return int(found.group(1)) if found else None
-
-
-def _adopt_unscoped(nodes: list[ir.Node], layer_of: dict[ir.Node, int | None]) -> None:
-    """onnxscript's rewrites (two Slices into a Split, ...) make nodes without the name scope of the layer they
-    compute in (MoE routers, MLA attention). Such a node joins layer j when every value it reads that a node
-    makes is made by layer j's nodes and every node that reads its outputs is layer j's."""
-    for node in nodes:
-        if layer_of[node] is not None or any(v.is_graph_output() for v in node.outputs):
-            continue
-        makers = {layer_of.get(v.producer()) for v in node.inputs if v is not None and v.producer() is not None}
-        readers = {layer_of.get(use.node) for v in node.outputs for use in v.uses()}
-        if len(makers) == 1 and makers == readers and None not in makers:
-            layer_of[node] = makers.pop()
-
-
-def _refuse_subgraphs(node: ir.Node) -> None:
-    if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
-        raise NotStampable(f"{node.name} holds a subgraph")
-
-
-class _Weights:
-    """Layer L's counterpart of a second-layer initializer: the parameter itself, or the same view of it."""
-
-    def __init__(self, graph: ir.Graph, model, onnx_prefix: str, layers_name: str, traced: int):
-        from torch.onnx._internal.exporter._core import TorchTensor
-
-        self.TorchTensor = TorchTensor
-        self.graph, self.onnx_prefix, self.layers_name = graph, onnx_prefix, layers_name
-        self.params = dict(model.named_parameters(remove_duplicate=False))
-        self.by_pointer = {layer: {p.data_ptr(): n[len(f"{layers_name}.{layer}."):] for n, p in self.params.items()
-                                   if n.startswith(f"{layers_name}.{layer}.")} for layer in range(traced)}
-        self.made: dict[tuple[int, str], ir.Value] = {}
-
-    def names(self, layer: int) -> list[str]:
-        head = f"{self.layers_name}.{layer}."
-        return [n[len(head):] for n in self.params if n.startswith(head)]
-
-    def rest_of(self, value: ir.Value, layer: int) -> str | None:
-        """The parameter name after "layers.<layer>." that ``value`` holds or views; None if none."""
-        head = f"{self.onnx_prefix}{self.layers_name}.{layer}."
-        if value.name.startswith(head) and f"{self.layers_name}.{layer}.{value.name[len(head):]}" in self.params:
-            return value.name[len(head):]
-        raw = getattr(value.const_value, "raw", None)
-        if isinstance(raw, np.ndarray):
-            rest = self.by_pointer[layer].get(raw.__array_interface__["data"][0])
-            param = self.params.get(f"{self.layers_name}.{layer}.{rest}")
-            if rest is not None and param is not None and param.is_contiguous() and \
-                    raw.itemsize == param.element_size():
-                return rest
-        return None
-
-    def value(self, template: ir.Value, layer: int, rest: str) -> ir.Value:
-        key = (layer, template.name)
-        if key in self.made:
-            return self.made[key]
-        param = self.params.get(f"{self.layers_name}.{layer}.{rest}")
-        if param is None or not param.is_contiguous():
-            raise NotStampable(f"layer {layer} has no contiguous parameter {rest}")
-        raw = getattr(template.const_value, "raw", None)
-        if isinstance(raw, np.ndarray):  # the view onnxscript folded a Transpose into, taken of layer L's weight
-            array = param.detach()
-            array = (array.view(torch.uint16) if array.dtype == torch.bfloat16 else array).numpy().view(raw.dtype)
-            view = np.lib.stride_tricks.as_strided(array, shape=raw.shape, strides=raw.strides, writeable=False)
-            name = f"{template.name}__layer{layer}"
-            tensor = ir.Tensor(view, dtype=template.const_value.dtype, name=name)
-        else:
-            name = f"{self.onnx_prefix}{self.layers_name}.{layer}.{rest}"
-            tensor = self.TorchTensor(param, name=name)
-        value = ir.Value(name=name, shape=template.shape, type=template.type, const_value=tensor)
-        self.graph.register_initializer(value)
-        self.made[key] = value
-        return value
-
-
-def _depends(nodes: list[ir.Node], seeds: set[ir.Value]) -> list[ir.Node]:
-    """The nodes of ``nodes`` (in graph order) that read a seed, directly or through each other."""
-    reached, chain = set(seeds), []
-    for node in nodes:
-        if any(v is not None and v in reached for v in node.inputs):
-            chain.append(node)
-            reached.update(node.outputs)
-    return chain
-
-
-def _params_of(layer: int, nodes: list[ir.Node], weights: _Weights) -> set[ir.Value]:
-    return {v for node in nodes for v in node.inputs
-            if v is not None and v.is_initializer() and weights.rest_of(v, layer) is not None}
-
-
-def _caches(inputs: dict, layer: int) -> set[ir.Value]:
-    return {v for name, v in inputs.items() if re.fullmatch(rf"past_key_values\.{layer}\.\w+", name)}
-
-
-def _template(j: int, nodes: list[ir.Node], chain_before: set[ir.Node], inputs: dict, weights: _Weights):
-    """(the nodes of traced layer j's own computation, the hidden state it reads, the one it hands on)."""
-    handoff = {v for node in nodes for v in node.inputs if v is not None and v.producer() in chain_before}
-    if len(handoff) != 1:
-        raise NotStampable(f"layer {j} reads {len(handoff)} values of the layer before (one hidden state expected)")
-    template = _depends(nodes, handoff | _caches(inputs, j) | _params_of(j, nodes, weights))
-    own = set(template)
-    for node in template:
-        _refuse_subgraphs(node)
-    read = {weights.rest_of(v, j) for v in _params_of(j, template, weights)}
-    unread = sorted(set(weights.names(j)) - read)
-    if unread:  # a weight folded into a constant that is no view of it would be shared by every copy
-        raise NotStampable(f"layer {j} does not read its parameter {unread[0]} as such (folded into a constant)")
-    large = [v.name for node in template for v in node.inputs if v is not None and v.is_initializer()
-             and weights.rest_of(v, j) is None and v.const_value is not None and v.const_value.nbytes > SHARED_LIMIT]
-    if large:
-        raise NotStampable(f"layer {j} reads a large constant {large[0]} that is none of its weights")
-    leaving = {v for node in template for v in node.outputs
-               if not (v.is_graph_output() and re.fullmatch(rf"present\.{j}\.\w+", v.name or ""))
-               and (v.is_graph_output() or any(use.node not in own for use in v.uses()))}
-    if len(leaving) != 1 or next(iter(leaving)).is_graph_output():
-        raise NotStampable(f"layer {j} hands on {len(leaving)} values (one hidden state expected)")
-    return template, next(iter(handoff)), next(iter(leaving))
-
-
-def stamp(program_model: ir.Model, model, *, layers_name: str, onnx_prefix: str, kinds: list[int],
-          input_names: list[str], output_names: list[str]) -> int:
-    """Expand the traced leading layers to ``len(kinds)`` in place (see the module doc): layer L is a copy of
-    the first traced layer (past layer 0) of its kind. Returns the nodes added; NotStampable when the graph
-    is not what this module can check (the caller drops the graph)."""
-    graph = program_model.graph
-    traced, n_layers = traced_count(kinds), len(kinds)
-    prefix = f"{onnx_prefix}{layers_name}"
-    scope = re.compile(re.escape(prefix) + r"\.(\d+)(?!\d)")
-    nodes = list(graph)
-    layer_of = {node: _layer_of(node, scope) for node in nodes}
-    _adopt_unscoped(nodes, layer_of)
-    by_layer = [[n for n in nodes if layer_of[n] == j] for j in range(traced)]
-    if not all(by_layer) or any(layer is not None and layer >= traced for layer in layer_of.values()):
-        raise NotStampable("the traced graph's nodes carry no decoder-layer scopes for every traced layer")
-    last = by_layer[-1]
-    start, end = nodes.index(last[0]), nodes.index(last[-1])
-    if any(layer_of[n] != traced - 1 for n in nodes[start:end + 1]) or \
-            any(layer_of[n] is not None and layer_of[n] < traced - 1 for n in nodes[start:]):
-        raise NotStampable("other nodes lie between the last traced layer's nodes")
-    inputs = {v.name: v for v in graph.inputs}
-    outputs = {v.name: v for v in graph.outputs}
-    weights = _Weights(graph, model, onnx_prefix, layers_name, traced)
-    chain = set(_depends(by_layer[0], _params_of(0, by_layer[0], weights) | _caches(inputs, 0)))
-    templates = {}  # traced layer j >= 1 -> (template, hidden in, hidden out)
-    for j in range(1, traced):
-        templates[j] = _template(j, by_layer[j], chain, inputs, weights)
-        chain = set(templates[j][0])
-    for j in range(1, traced - 1):  # each traced layer hands on exactly what the next one reads
-        if templates[j][2] is not templates[j + 1][1]:
-            raise NotStampable(f"layer {j + 1} reads another value than the hidden state layer {j} hands on")
-    source = {k: next(j for j in range(1, traced) if kinds[j] == k) for k in set(kinds[traced:])}
-
-    previous = templates[traced - 1][2]
-    hidden_out = previous
-    added: list[ir.Node] = []
-    new_inputs: dict[str, ir.Value] = {}
-    for layer in range(traced, n_layers):
-        j = source[kinds[layer]]
-        template, hidden_in, out = templates[j]
-        own = set(template)
-        made: dict[ir.Value, ir.Value] = {}
-        for node in template:
-            args = []
-            for v in node.inputs:
-                if v is None:
-                    args.append(None)
-                elif v in made:
-                    args.append(made[v])
-                elif v is hidden_in:
-                    args.append(previous)
-                elif v.is_graph_input() and re.fullmatch(rf"past_key_values\.{j}\.\w+", v.name):
-                    name = f"past_key_values.{layer}.{v.name.split('.', 2)[2]}"
-                    if name not in new_inputs:
-                        new_inputs[name] = ir.Value(name=name, shape=v.shape, type=v.type)
-                    args.append(new_inputs[name])
-                elif v.is_initializer() and weights.rest_of(v, j) is not None:
-                    args.append(weights.value(v, layer, weights.rest_of(v, j)))
-                elif v.producer() is not None and v.producer() in own:
-                    raise NotStampable(f"{node.name} reads a value of layer {j} before it is made")
-                else:  # computed outside the layers' own chains (cos/sin, masks, shapes, constants): shared
-                    args.append(v)
-            clone = ir.Node(node.domain, node.op_type, args, attributes=list(node.attributes.values()),
-                            overload=node.overload, num_outputs=len(node.outputs), version=node.version,
-                            name=f"{node.name}__layer{layer}")
-            for key, text in node.metadata_props.items():
-                clone.metadata_props[key] = scope.sub(f"{prefix}.{layer}", text) if key in (SCOPES, NAMESPACE) else text
-            for old, new in zip(node.outputs, clone.outputs, strict=True):
-                new.shape, new.type = old.shape, old.type
-                cache = re.fullmatch(rf"present\.{j}\.(\w+)", old.name or "")
-                new.name = f"present.{layer}.{cache.group(1)}" if cache and old.name in outputs else \
-                    f"{old.name}__layer{layer}"
-                made[old] = new
-            added.append(clone)
-        previous = made[out]
-    present = {**outputs, **{v.name: v for node in added for v in node.outputs if v.name in output_names}}
-    every_input = {**inputs, **new_inputs}
-    missing = [n for n in input_names if n not in every_input] + [n for n in output_names if n not in present]
-    if missing:
-        raise NotStampable(f"the stamped graph would lack {', '.join(missing[:3])}")
-    graph.insert_after(last[-1], added)
-    skip = set(added) | set(templates[traced - 1][0])
-    for use in list(hidden_out.uses()):  # the nodes after the layers read the last copy's hidden state
-        if use.node not in skip:
-            use.node.replace_input_with(use.idx, previous)
-    graph.inputs.clear()
-    graph.inputs.extend(every_input[n] for n in input_names)
-    graph.outputs.clear()
-    graph.outputs.extend(present[n] for n in output_names)
-    return len(added)
+def _filled(buffer: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    out = buffer.clone()
+    out[:, :, : present.shape[2]] = present
+    return out

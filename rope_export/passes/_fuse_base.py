@@ -226,19 +226,26 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
                 except SkipSite as exc:
                     if not isinstance(exc.__cause__, EvaluationFailed):
                         raise
-                    # the sizes did not fit together: try the inputs' dims sized by axis
-                    if "probe_by_axis" not in self.memo:
-                        self.memo["probe_by_axis"] = self._probe(model).by_axis()
-                    try:
-                        self.memo[memo_key] = self._analyse(self.memo["probe_by_axis"], bindings, root)
-                    except SkipSite:
-                        raise exc from None
+                    self.memo[memo_key] = self._analyse_resized(model, bindings, root, exc)
             except (NotASite, SkipSite) as exc:
                 self.memo[memo_key] = exc
         found = self.memo[memo_key]
         if isinstance(found, Exception):
             raise found
         return found
+
+    def _analyse_resized(self, model: ir.Model | None, bindings: dict, root: ir.Value, failure: SkipSite) -> Site:
+        """The sizes did not fit together: the site analysed with the inputs' dims sized by axis, then with dims
+        sized by the expressions they broadcast against (``Probe.by_axis``, ``Probe.unified``)."""
+        for key in ("by_axis", "unified"):
+            if f"probe_{key}" not in self.memo:
+                self.memo[f"probe_{key}"] = getattr(self._probe(model), key)()
+            try:
+                return self._analyse(self.memo[f"probe_{key}"], bindings, root)
+            except SkipSite as exc:
+                if not isinstance(exc.__cause__, EvaluationFailed):
+                    raise
+        raise failure
 
     def _probe(self, model: ir.Model | None) -> Probe:
         if "probe" not in self.memo:
@@ -249,6 +256,8 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
     def _analyse(self, probe: Probe, bindings: dict, root: ir.Value) -> Site:
         core = self.candidate(probe, bindings)
         check_dtype(root)
+        if self.partial and core.y_perm is not None:
+            raise NotASite("a partial join of a rotation written into a transposed buffer")
         if self.partial:
             q = bindings["q"]
             cand = replace(core, y=root, source=q, x=q)
@@ -365,6 +374,8 @@ class FuseRotary(pattern.RewriteRuleClassBase, abc.ABC):
             flat = op.Reshape(x, op.Constant(value=ir.tensor(np.array([0, 0, -1], dtype=np.int64))))
             y = rotary(flat, site.heads)
             out = op.Reshape(y, op.Constant(value=ir.tensor(np.array([0, 0, site.heads, -1], dtype=np.int64))))
+        if site.candidate.y_perm is not None:  # the site wrote the rotation into a transposed buffer
+            out = op.Transpose(out, perm=list(site.candidate.y_perm))
         self.report.fused(site.key, self._form_text(site), self._detail(site, pos is not None))
         return out
 

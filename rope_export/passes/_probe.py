@@ -28,6 +28,7 @@ from rope_export.passes._values import const_array
 
 SIZES = (3, 5, 7, 11, 13, 17, 19, 23, 29, 31)  # distinct, so no two axes can be confused
 MAX_NODES = 400  # a slice larger than this is not a RoPE site
+BROADCASTING = ("Mul", "Add", "Sub", "Div")  # elementwise ops whose inputs' non-1 dims must be equal
 
 
 class ProbeError(Exception):
@@ -38,7 +39,9 @@ class EvaluationFailed(ProbeError):
     """The slice ran and failed: the sizes given to its symbolic dims do not fit together."""
 
 
-def _sympy_size(expr: str, sizes: dict[str, int]) -> int | None:
+def _sympy_size(expr: str, sizes: dict[str, int], new_symbols: bool = True) -> int | None:
+    """The value of a dim expression (``s0 + s1``, ``Min(64, seq)``); a symbol not in ``sizes`` gets a size of its
+    own there (``new_symbols=False``: None instead)."""
     import sympy
 
     try:
@@ -46,6 +49,8 @@ def _sympy_size(expr: str, sizes: dict[str, int]) -> int | None:
     except (sympy.SympifyError, TypeError, SyntaxError):
         return None
     for symbol in sorted(parsed.free_symbols, key=str):
+        if not new_symbols and str(symbol) not in sizes:
+            return None
         sizes.setdefault(str(symbol), SIZES[len(sizes) % len(SIZES)])
     value = parsed.subs({s: sizes[str(s)] for s in parsed.free_symbols})
     return int(value) if value.is_number and value == int(value) else None
@@ -54,10 +59,13 @@ def _sympy_size(expr: str, sizes: dict[str, int]) -> int | None:
 class Probe:
     """Concrete sizes for the symbolic dims of one model, and evaluation of slices of its graph."""
 
-    def __init__(self, model: ir.Model, sizes: dict[str, int] | None = None, infer: bool = True):
+    def __init__(self, model: ir.Model, sizes: dict[str, int] | None = None, infer: bool = True,
+                 tables: frozenset[str] = frozenset()):
         self.model = model
         self.sizes: dict[str, int] = dict(sizes or {})
         self._inferred: dict[str, tuple[int, ...]] | None = None if infer else {}
+        # graph inputs the caller says are cos/sin tables (``fuse(table_inputs=...)``): fed as tables, not noise
+        self.tables = tables
 
     def by_axis(self) -> Probe:
         """Another assignment where the graph inputs' dims get sizes by axis (axis 0 of every input
@@ -69,13 +77,44 @@ class Probe:
                 name = getattr(d, "value", None)
                 if isinstance(name, str) and name.isidentifier():
                     sizes.setdefault(name, SIZES[axis % len(SIZES)])
-        return Probe(self.model, sizes)
+        return Probe(self.model, sizes, tables=self.tables)
+
+    def unified(self) -> Probe:
+        """Another assignment where a graph input's dim that an elementwise op broadcasts against a dim of other
+        symbols gets that dim's size: torch.export keeps such a dim a symbol of its own where it cannot state the
+        relation (CogVideoX's rotary tables of ``image_seq`` rows beside the latent's ``frames*s42*s62`` tokens),
+        and sized on its own it makes the site fail to run. The other dim's size is as inferred, else its
+        expression evaluated with each symbol sized as a value inferred here has it."""
+        inferred = self._inferred if self._inferred is not None else self._infer()
+        names = {d for v in self.model.graph.inputs for d in self.symbols(v) if d}
+        known = {k: v for k, v in self.sizes.items() if k in names}  # the inputs' own; inner symbols as inferred
+        for value in _values(self.model.graph):
+            for symbol, size in zip(self.symbols(value), inferred.get(value.name, ()), strict=False):
+                if symbol and symbol.isidentifier():
+                    known.setdefault(symbol, size)
+        sizes = dict(known)
+        resized: set[str] = set()
+        for node in self.model.graph:
+            if node.op_type not in BROADCASTING or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2 \
+                    or any(v is None for v in node.inputs):
+                continue
+            for mine, other in (node.inputs, node.inputs[::-1]):
+                concrete = inferred.get(other.name) or (None,) * len(self.symbols(other))
+                for name, their, size in zip(reversed(self.symbols(mine)), reversed(self.symbols(other)),
+                                             reversed(concrete), strict=False):
+                    if name not in names or name in resized or not their or their == name:
+                        continue
+                    size = size or _sympy_size(their, dict(known), new_symbols=False)
+                    if size is not None and size > 1:
+                        sizes[name] = size
+                        resized.add(name)
+        return Probe(self.model, sizes, tables=self.tables)
 
     def with_sizes(self, sizes: dict[str, int]) -> Probe:
         """Another assignment (only symbolic names are used then: no whole-model inference).
         Sizes of expressions (``Min(64, seq)``) are recomputed from the new names."""
         names = {k: v for k, v in self.sizes.items() if k.isidentifier()}
-        return Probe(self.model, {**names, **sizes}, infer=False)
+        return Probe(self.model, {**names, **sizes}, infer=False, tables=self.tables)
 
     def size(self, d) -> int | None:
         if isinstance(d, int):
@@ -290,3 +329,10 @@ def _run_reference(proto: onnx.ModelProto, arrays: dict, new_ops=()) -> list[np.
     from rope_export.op.onnx_op import RotaryEmbedding
 
     return ReferenceEvaluator(proto, new_ops=[RotaryEmbedding, *new_ops]).run(None, arrays)
+
+
+def _values(graph: ir.Graph):
+    """The graph's inputs and every node's outputs."""
+    yield from graph.inputs
+    for node in graph:
+        yield from node.outputs

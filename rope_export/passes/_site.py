@@ -51,6 +51,13 @@ class Candidate:
     # no value holds the tensor in y's shape (an optimizer merged the reshapes): X is the source
     # [..., d/2, 2] flattened, and ``x`` stands for y's shape only
     flatten_source: bool = False
+    # y is the rotation with its axes permuted (``y = rotation.transpose(y_perm)``: a write into a transposed
+    # buffer, whose transposes back an optimizer merged with the next ones); the rewrite transposes the node's output
+    y_perm: tuple[int, ...] | None = None
+
+    def unpermuted(self, y: np.ndarray) -> np.ndarray:
+        """A probe value of ``y`` in the rotated tensor's own layout."""
+        return y if self.y_perm is None else np.transpose(y, np.argsort(self.y_perm))
 
 
 @dataclass(frozen=True)
@@ -247,6 +254,7 @@ def classify(probe: Probe, c: Candidate, partial: bool = False) -> tuple[Form, t
         (moved,) = probe.run([c.y], {c.source: fed, c.cos: zeros[c.cos], c.sin: ones[c.sin]})
     except ProbeError as exc:
         raise SkipSite(str(exc)) from exc
+    same, moved = c.unpermuted(same), c.unpermuted(moved)
     if same.shape != codes.shape:
         raise SkipSite(f"the result's shape {list(same.shape)} differs from the rotated tensor's {list(codes.shape)}")
     if not np.array_equal(np.asarray(same, np.float64), codes.astype(np.float64)):

@@ -2,7 +2,10 @@
 with the caches the rewrite hands the fused node.
 
 The site's own inputs are fed: the rotated tensor (random normal) and every graph input the
-cos/sin path reads (position ids: random in-range integers; float inputs: random normal). The
+cos/sin path reads (position ids: random in-range integers; float inputs: random normal; inputs the
+caller declares cos/sin tables, ``fuse(table_inputs=...)``: the cos and sin of random angles, one per
+pair, laid out as the site pairs its channels, so the check proves the rotation for every table of
+that kind and the fused node reads one value per pair). The
 expected result is ``rope_export.op.onnx_op.rotary_numpy`` (the contract in NumPy) on the op's X with
 the traced caches. A look-alike (cos and sin of different angles, a scale that is not RoPE, a
 permutation that only looks like a rotation) differs by O(1) and is left alone.
@@ -16,7 +19,7 @@ from rope_export.op.onnx_op import rotary_numpy
 from rope_export.op.tolerances import tolerance
 from rope_export.passes._cos_sin import Trace, _numeric_step
 from rope_export.passes._probe import Probe, ProbeError
-from rope_export.passes._site import FOLDED, SkipSite, folded_tokens, random_feeds, tokens_of
+from rope_export.passes._site import FOLDED, SkipSite, data_movement_leaves, folded_tokens, random_feeds, tokens_of
 from rope_export.passes._values import dtype_name, dtype_of
 
 SEED = 20261123
@@ -34,6 +37,7 @@ def verify(probe: Probe, site) -> None:
     traces = (site.cos, site.sin)
     rows = min([t.table.shape[0] for t in traces if t.kind == "gather"] or [2 * MAX_POSITION])
     try:
+        feeds.update(_table_feeds(probe, site, rng))
         feeds = random_feeds(probe, [site.y], feeds, rng, min(rows // 2, MAX_POSITION))
         wanted = [site.y, source if site.candidate.flatten_source else site.x]
         wanted += [site.candidate.cos_product] + [v for t in traces for v in _ingredients(t)]
@@ -58,7 +62,7 @@ def verify(probe: Probe, site) -> None:
         expected = rotary_numpy(x, cos, sin, pos, num_heads=0, **args)
     else:
         expected = rotary_numpy(op_x, cos, sin, pos, num_heads=site.heads, **args).reshape(x.shape)
-    got = values[site.y]
+    got = site.candidate.unpermuted(values[site.y])
     name = _tolerance_name(got)
     # float32: two implementations of the contract; half types: the original may round each step
     kind = "op" if name == "float32" else "block"
@@ -67,6 +71,32 @@ def verify(probe: Probe, site) -> None:
             else float("nan")
         raise SkipSite(f"the numerical check failed: on random inputs the ops differ from the rotation by up to "
                        f"{error:.3g} (not RoPE: cos/sin of different angles, an extra scale, or another mix)")
+
+
+def _table_feeds(probe: Probe, site, rng: np.random.Generator) -> dict:
+    """cos and sin of random angles for the declared table inputs (``Probe.tables``) the site's cos and sin are
+    read from by data movement: one angle per pair, repeated as the site's form pairs channels (interleaved:
+    each twice in a row; rotate-half: the halves), channels past the rotated ones at angle 0."""
+    cos_input, sin_input = (_table_input(v, probe.tables) for v in (site.candidate.cos, site.candidate.sin))
+    if cos_input is None or sin_input is None or cos_input is sin_input:
+        return {}
+    shape, half = probe.shape(cos_input), site.form.rd // 2
+    if shape is None or shape != probe.shape(sin_input) or shape[-1] < half:
+        return {}
+    angles = rng.uniform(-np.pi, np.pi, (*shape[:-1], half))
+    if shape[-1] >= 2 * half:  # one value per channel: each angle twice
+        angles = np.repeat(angles, 2, axis=-1) if site.form.interleaved else np.concatenate([angles, angles], -1)
+    angles = np.concatenate([angles, np.zeros((*shape[:-1], shape[-1] - angles.shape[-1]))], axis=-1)
+    return {cos_input: np.cos(angles).astype(cos_input.dtype.numpy()),
+            sin_input: np.sin(angles).astype(sin_input.dtype.numpy())}
+
+
+def _table_input(value, tables: frozenset[str]):
+    """The one declared table input ``value`` is made of by data movement, or None."""
+    if not tables:
+        return None
+    leaves = [v for v in data_movement_leaves(value, set()) if v.producer() is None and v.name in tables]
+    return leaves[0] if len(leaves) == 1 else None
 
 
 def _check_magnitude(cos: np.ndarray, sin: np.ndarray, dtype: str) -> None:

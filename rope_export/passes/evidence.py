@@ -3,10 +3,11 @@
 A decomposed rotation multiplies a tensor by cos and a tensor by sin and adds (or subtracts) the
 two products. The count follows that evidence and nothing else:
 
-* *trig values*: the outputs of Cos and Sin, and constant tables that come in cos/sin pairs
-  (two float constants of one shape whose squares sum to one constant, ``cos² + sin² = m²``: the
-  tables an export folded), carried through the ops that move or select their elements
-  (Unsqueeze, Reshape, Expand, Gather, Slice, Concat, Cast, ...) and through scaling by a constant;
+* *trig values*: the outputs of Cos and Sin, graph inputs the caller declares tables, and constant
+  tables that come in cos/sin pairs (two float constants of one shape whose squares sum to one
+  constant, ``cos² + sin² = m²``: the tables an export folded), carried through the ops that move
+  or select their elements (Unsqueeze, Reshape, Expand, Gather, Slice, Concat, Cast, ...) and
+  through scaling by a constant;
   one table may hold both (a trailing pair axis, two halves, alternate columns);
 * *products*: a Mul of a trig value with a value that is not one (carried through Cast, Neg and
   the ops that move elements);
@@ -169,8 +170,8 @@ def _constant_like(value: ir.Value | None) -> bool:
     return node.op_type in ("Expand", "Tile", "Cast", "Identity") and _constant_like(node.inputs[0])
 
 
-def _trig_values(graph: ir.Graph) -> set[ir.Value]:
-    trig = set(_table_pairs(graph))
+def _trig_values(graph: ir.Graph, tables: frozenset[str] = frozenset()) -> set[ir.Value]:
+    trig = set(_table_pairs(graph)) | {v for v in graph.inputs if v.name in tables}
     for node in graph:  # topological order: one pass carries the mark forward
         if node.domain not in ("", "ai.onnx"):
             continue
@@ -187,9 +188,9 @@ def _trig_values(graph: ir.Graph) -> set[ir.Value]:
     return trig
 
 
-def rotation_terms(graph: ir.Graph) -> list[tuple[ir.Node, set[ir.Value]]]:
+def rotation_terms(graph: ir.Graph, tables: frozenset[str] = frozenset()) -> list[tuple[ir.Node, set[ir.Value]]]:
     """(Add/Sub node, the rotated operands of its two products) for every rotation term."""
-    trig = _trig_values(graph)
+    trig = _trig_values(graph, tables)
     operands: dict[ir.Value, set[ir.Value]] = {}  # product (or a move of one) -> its non-trig operands
     terms = []
     for node in graph:
@@ -224,9 +225,10 @@ def _consumers_within(value: ir.Value, hops: int) -> set[ir.Node]:
     return {n for n in seen if n.op_type == "Concat"}
 
 
-def count_rotations(model: ir.Model) -> int:
-    """Decomposed rotations in ``model``'s main graph (see the module doc)."""
-    terms = rotation_terms(model.graph)
+def count_rotations(model: ir.Model, tables: frozenset[str] = frozenset()) -> int:
+    """Decomposed rotations in ``model``'s main graph (see the module doc); ``tables``: graph inputs the caller
+    says are cos/sin tables (``fuse(table_inputs=...)``), trig values like the outputs of Cos and Sin."""
+    terms = rotation_terms(model.graph, tables)
     parent = list(range(len(terms)))
 
     def find(i):

@@ -30,22 +30,25 @@ outside the table now passes its token through (the op contract) where the origi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from rope_export.op.contract import DOMAIN, OP_TYPE, OP_VERSION
 from rope_export.op.nodes import CONTRACT_KINDS, STANDARD, is_ours, rotary_kind
-from rope_export.passes import evidence, fuse_pairs, fuse_rotation, fuse_standard_op, validation
+from rope_export.passes import evidence, fuse_pairs, fuse_rotation, fuse_standard_op, fuse_strided_writes, validation
 from rope_export.passes._fuse_base import STAGES, FusionReport
 from rope_export.passes._model import PassError, from_ir, infer_shapes, onnx_opset, remove_unused, to_ir
 from rope_export.passes._probe import Probe
 from rope_export.passes._unit_scale import drop_unit_scales
 
 MIN_OPSET = 13
-RULE_MODULES = (fuse_pairs, fuse_rotation, fuse_standard_op)
+RULE_MODULES = (fuse_pairs, fuse_strided_writes, fuse_rotation, fuse_standard_op)
 
 
-def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = False, validate: bool = False):
+def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = False, validate: bool = False,
+         table_inputs: Iterable[str] = ()):
     """Replace each decomposed RoPE site of ``model`` by one rope_export::RotaryEmbedding node.
 
     ``model``: onnx.ModelProto (a new ModelProto is returned), onnx_ir.Model (changed in place and
@@ -55,6 +58,11 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
     The report also counts the decomposed rotations before and after from the graph's own evidence
     (``passes.evidence``: cos/sin feeding multiply-add pairs), so a file where rotations stayed
     decomposed says so (``report.summary()``, ``report.complete``).
+    ``table_inputs``: names of graph inputs that hold cos/sin tables the caller computes (a pipeline's rotary
+    tables, a block's ``position_embeddings``); the numerical check feeds them the cos and sin of one angle per
+    pair, so a rotation that reads them is fused and its node reads one value per pair (the graph alone cannot
+    show that an input is a table: for anything else fed there the fused file differs). ``export_module`` passes
+    the inputs its census found to be tables.
     ``validate``: check every rope_export node of the result (stored cache types and widths, cos² + sin²
     one constant) and run each once on onnx.reference against the op contract in NumPy
     (``passes.validation``; ``rope-export fuse`` always does).
@@ -80,11 +88,12 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
     infer_shapes(ir_model)
     if drop_unit_scales(ir_model.graph):  # x * cos * 1.0 (TorchScript keeps a scale of one): exact to bypass
         remove_unused(ir_model)
-    report.found = evidence.count_rotations(ir_model)
+    tables = frozenset(table_inputs)
+    report.found = evidence.count_rotations(ir_model, tables)
     fused = 0
     # one memo (site analyses, caches) and one set of probe sizes for every stage; the rules are
     # built once (building onnxscript patterns is not free)
-    memo: dict = {"probe": Probe(ir_model)}
+    memo: dict = {"probe": Probe(ir_model, tables=tables)}
     staged = [(st, rule) for module in RULE_MODULES for st, rule in module.rules(report, memo)
               if adopt_standard or module is not fuse_standard_op]
     for stage in range(STAGES):
@@ -97,7 +106,7 @@ def fuse(model, *, report: FusionReport | None = None, adopt_standard: bool = Fa
         ir_model.opset_imports.setdefault(DOMAIN, OP_VERSION)
         remove_unused(ir_model)
         infer_shapes(ir_model)
-    report.left = evidence.count_rotations(ir_model)
+    report.left = evidence.count_rotations(ir_model, tables)
     if validate:
         nodes = [n for n in ir.traversal.RecursiveGraphIterator(ir_model.graph) if is_ours(n)]
         validation.run(ir_model, validation.plan(ir_model, nodes, out_of_range=True), "reference", "fused")

@@ -121,7 +121,8 @@ def genai_config(graph, hf_config, *, generation: dict | None = None, filename: 
     text = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
     generation = generation or {}
     inputs, outputs = _names(graph)
-    for needed in ("input_ids", "position_ids"):
+    tokens = "inputs_embeds" if "inputs_embeds" in inputs else "input_ids"  # a VLM's decoder takes embeddings
+    for needed in (tokens, "position_ids"):
         if needed not in inputs:
             raise ServeError(f"the file has no {needed!r} input; onnxruntime-genai feeds input_ids and position_ids "
                              "(export it with `rope-export export --hf`)")
@@ -144,7 +145,7 @@ def genai_config(graph, hf_config, *, generation: dict | None = None, filename: 
         raise ServeError("the transformers config has no eos_token_id; genai stops generating on it")
     if pad is None:  # what transformers' generate does without one: pad with the end-of-sequence token
         pad = _first(eos)
-    names_in = {"input_ids": "input_ids", "position_ids": "position_ids",
+    names_in = {tokens: tokens, "position_ids": "position_ids",
                 "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
     if "attention_mask" in inputs:
         names_in["attention_mask"] = "attention_mask"
@@ -222,7 +223,7 @@ def package_genai(out: str | os.PathLike, *, model: str | os.PathLike | None = N
     (``weights``: the folder with its weights; default the ``hf`` folder when it holds weights, else
     random weights, ``seed``; ``random_weights``: random ones even where the folder holds weights).
     ``tokenizer``: the folder to copy tokenizer files and ``generation_config.json``'s defaults from
-    (default: the ``hf`` folder).
+    (default: the ``hf`` folder). A vision-language model: ``rope_export.serve.genai_vlm.package_genai_vlm``.
     """
     from rope_export.common.fileio import check_writable, commit_moves, staging_dir
     from rope_export.files import onnx_files

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from rope_export import bench
+from rope_export import bench, cli
 from rope_export.bench import gpu, kernels, timing
 
 ROPE_RUNNERS = {
@@ -26,7 +26,7 @@ TWIN_RUNNERS = {"twin", "twin_call_overhead", "copy_1_thread"}
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    rc = bench.main(["--smoke", "--out", str(out)])
+    rc = cli.main(["bench", "--smoke", "--out", str(out)])
     return rc, out, json.loads((out / "bench.json").read_text())
 
 
@@ -206,8 +206,8 @@ def test_interleaved_rounds_rotate_and_take_medians():
 
 
 def test_bad_arguments_are_refused():
-    assert bench.main(["--smoke", "--sections", "rope,nope"]) == 2
-    assert bench.main(["--smoke", "--threads", "0"]) == 2
+    assert cli.main(["bench", "--smoke", "--sections", "rope,nope"]) == 2
+    assert cli.main(["bench", "--smoke", "--threads", "0"]) == 2
 
 
 def test_scale_check_note_gives_the_ratio_to_pytorch_and_the_layer_verdict(tmp_path):

@@ -135,15 +135,24 @@ def test_the_plan_runs_every_node_once_in_order_within_the_budget(parts):
 
 
 def test_cuts_fall_between_layers_without_reading_names():
-    """With a third of the weights per piece, each cut lands where a decoder layer (or the final norm) begins:
-    where the fewest values cross."""
+    """With a third of the weights per piece, each cut lands where a decoder layer (or the final norm) begins,
+    or between the final norm and the head: where the fewest values cross."""
     graph = llama_3_layers_fp16().graph
     pieces = plan_pieces(graph, session_bytes(graph) // 3 + 1)
     assert len(pieces) >= 3
-    for piece in pieces[1:]:  # the norm, whose float32 statistics begin with a Cast (exporting.precision)
+    made_by = {out: node for node in graph.node for out in node.output}
+
+    def stated(node):  # a node of a norm written with its float32 statistics in the types (exporting.precision)
+        return any(p.key == MARK for p in node.metadata_props)
+
+    last_norm = max(k for k, node in enumerate(graph.node) if node.op_type == "RMSNormalization" or stated(node))
+    for piece in pieces[1:]:
         first = graph.node[piece.nodes[0]]
-        assert first.op_type == "RMSNormalization" or (
-            first.op_type == "Cast" and any(p.key == MARK for p in first.metadata_props)), first
+        if first.op_type == "RMSNormalization" or (first.op_type == "Cast" and stated(first)):
+            continue  # a norm begins here: a decoder layer or the final norm
+        # the head alone, reading only the final norm's output
+        assert piece is pieces[-1] and piece.inputs == [graph.node[last_norm].output[0]]
+        assert made_by[first.input[0]] is graph.node[last_norm]
 
 
 # -- equal to one session ------------------------------------------------------------------------

@@ -108,6 +108,17 @@ def test_auto_goes_external_past_the_threshold(tmp_path, monkeypatch):
     assert listing(tmp_path) == ["m.onnx", "m.onnx.data"]
 
 
+def test_auto_keeps_up_to_32_mb_inside_and_writes_more_beside_it(tmp_path, monkeypatch):
+    """Not 2 GB: in-file weights are serialized in one ModelProto and parsed whole by every reader (the module doc)."""
+    assert onnx_files.resolve_external("auto", 32 * 2**20) == "never"
+    assert onnx_files.resolve_external("auto", 32 * 2**20 + 1) == "single"
+    assert onnx_files.resolve_external("never", 32 * 2**20 + 1) == "never"  # asked for: inside, up to 2 GB
+    monkeypatch.setattr(onnx_files, "AUTO_INLINE_MAX", 50_000)  # the MLP's 98 kB of weights past it
+    written = onnx_files.write(mlp_model(), tmp_path / "m.onnx")
+    assert written.external == "single" and listing(tmp_path) == ["m.onnx", "m.onnx.data"]
+    np.testing.assert_array_equal(run_ort(tmp_path / "m.onnx", X), run_ort_proto(mlp_model()))
+
+
 def test_a_lazy_model_is_copied_to_a_new_file_tensor_by_tensor(tmp_path):
     first = tmp_path / "a.onnx"
     onnx_files.write(mlp_model(), first, external="single")

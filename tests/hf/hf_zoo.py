@@ -43,6 +43,29 @@ class ZooResult:
         return {k: v for k, v in vars(self).items() if k != "checks"}
 
 
+def zoo_param(model_type: str, fast, results: dict):
+    """The type as a pytest param: ``slow`` unless in ``fast``, an expected failure (strict) where ``results``
+    records one, so a fix shows up as an XPASS to record."""
+    import pytest
+
+    marks = [] if model_type in fast else [pytest.mark.slow]
+    recorded = results.get(model_type)
+    if recorded is not None and recorded["status"] == "fail":
+        marks.append(pytest.mark.xfail(strict=True, reason=recorded["reason"]))
+    return pytest.param(model_type, marks=marks, id=model_type)
+
+
+def record(result, variable: str) -> None:
+    """Append the result to the JSON-lines file the environment ``variable`` names (``make hf-zoo`` sets it)."""
+    import json
+    import os
+
+    path = os.environ.get(variable)
+    if path:
+        with open(path, "a") as sink:
+            sink.write(json.dumps(result.as_dict()) + "\n")
+
+
 def runner(model: onnx.ModelProto):
     """onnxruntime on the ``onnx`` lowering; onnx.reference with our OpRun when onnxruntime refuses the file."""
     import onnxruntime as ort

@@ -10,6 +10,11 @@ window smaller than the test sequences, one attention and one recurrent layer in
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
+
+import transformers
 from transformers import AutoConfig
 
 VOCAB = 64
@@ -153,6 +158,19 @@ def tiny_config(model_type: str, **extra):
 
 
 # -- which types the zoo holds ------------------------------------------------------------------
+
+ROTARY_SOURCE = re.compile(r"rotary|rotate_half|apply_rotary|\brope_|freqs_cis|RotaryEmbedding")
+
+
+def rotary_source(class_name: str) -> bool:
+    """Whether the modeling file of the transformers class ``class_name`` has a rotary function or class (a type
+    whose file does not import here is not counted)."""
+    try:
+        source = inspect.getsource(importlib.import_module(getattr(transformers, class_name).__module__))
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(ROTARY_SOURCE.search(source))
+
 
 # Every RoPE causal-LM model type of transformers 5.24 (its modeling file has a rotary function or
 # class; AutoModelForCausalLM maps it), in the zoo or out of it with the reason.

@@ -1,10 +1,13 @@
-"""rope_export.hf.stamping: ``export_hf(trace="per-kind")`` against the full trace.
+"""rope_export.hf.stamping (and exporting.stamping, hf.layer_proof): the default ``export_hf``, per-kind,
+against the full trace.
 
 For every exporting type of the quick zoo (``test_hf_zoo.FAST``) either the per-kind trace ran and
 its file has the full trace's rotary nodes and computes the same logits and presents on
 onnxruntime (prefill and a decode step: ``hf_zoo.compare_with_transformers`` on both files, and
 the two files' outputs side by side), or the full trace ran and the result names why. OLMo (one
 kind), Gemma 3 (two kinds) and CodeGen (the fallback) run in ``make test``; the sweep is slow.
+A layer that reads a per-layer value structure cannot see (a global table) is caught by the
+numeric comparison of each stamped layer with transformers' own.
 """
 
 from __future__ import annotations
@@ -80,13 +83,13 @@ def _outputs(result: hf.HFExportResult) -> list[np.ndarray]:
                                         for t in EXPORTING])
 def test_per_kind_equals_the_full_trace_or_names_the_fallback(model_type):
     model = build(model_type)
-    stamped = hf.export_hf(model, trace="per-kind")
+    stamped = hf.export_hf(model)  # the default
     print(f"{model_type}: {stamped.trace}")  # the sweep's record (pytest -rP) of which path each type takes
     assert stamped.trace.startswith(QUICK.get(model_type, ""))
     if stamped.trace.startswith("full (per-kind not used: "):
         assert len(stamped.trace) > len("full (per-kind not used: )")
         return
-    full = hf.export_hf(model)
+    full = hf.export_hf(model, trace="full")
     assert full.trace == "full"
     assert stamped.trace.startswith("per-kind: "), stamped.trace
     assert stamped.custom_nodes == full.custom_nodes == stamped.rotations
@@ -110,10 +113,11 @@ def test_the_cli_says_which_trace_ran(tmp_path, capsys):
     (tmp_path / "cfg").mkdir()
     config.save_pretrained(tmp_path / "cfg")
     summary = tmp_path / "summary.json"
-    assert main(["export", "--hf", str(tmp_path / "cfg"), "--trace", "per-kind", "-o", str(tmp_path / "m.onnx"),
+    assert main(["export", "--hf", str(tmp_path / "cfg"), "-o", str(tmp_path / "m.onnx"),
                  "--summary-json", str(summary)]) == 0
     trace = json.loads(summary.read_text())["trace"]
-    assert trace.startswith("per-kind: 2 of ")
+    assert trace.startswith("per-kind: 2 of 4 decoder layers traced and counted (1 kind(s)), 2 stamped")
+    assert "each stamped layer equal to the model's own (the first of each kind in 2 cases, the others in 1)" in trace
     assert f"trace: {trace}" in capsys.readouterr().out
 
 
@@ -129,14 +133,14 @@ def test_a_forward_that_computes_with_its_layer_index_is_traced_in_full():
     scaled = type("ScaledByLayerAttention", (_Attention, attention), {"forward": _Attention.forward})
     for layer in model.model.layers:
         layer.self_attn.__class__ = scaled
-    result = hf.export_hf(model, trace="per-kind")
+    result = hf.export_hf(model)
     assert result.trace.startswith("full (per-kind not used: ScaledByLayerAttention.forward reads its layer index"), \
         result.trace
     hf_zoo.compare_with_transformers(model, result)  # the full trace keeps each layer's own factor
 
 
 def test_the_layer_index_handed_to_the_cache_update_is_no_reason_to_trace_in_full():
-    from rope_export.hf.stamping import layer_index_use
+    from rope_export.exporting.stamping import layer_index_use
 
     attention = type(build("olmo").model.layers[0].self_attn)
     assert ".update(key_states, value_states, self.layer_idx" in inspect.getsource(attention.forward)  # handed on
@@ -150,8 +154,8 @@ def test_layers_whose_buffers_differ_are_traced_in_full():
     for i, layer in enumerate(model.model.layers):  # a per-layer constant that is no parameter, read in forward
         layer.mlp.register_buffer("scale", torch.tensor(1.0 + 0.1 * i))
         layer.mlp.forward = (lambda mlp, forward: lambda x: forward(x) * mlp.scale)(layer.mlp, layer.mlp.forward)
-    result = hf.export_hf(model, trace="per-kind")
-    assert result.trace == ("full (per-kind not used: decoder layer 1's buffer mlp.scale differs from layer 0's "
+    result = hf.export_hf(model)
+    assert result.trace == ("full (per-kind not used: layer 1's buffer mlp.scale differs from layer 0's "
                             "(a constant per layer, which a stamped copy would not have))"), result.trace
     hf_zoo.compare_with_transformers(model, result)  # the full trace keeps each layer's own scale
 
@@ -159,7 +163,8 @@ def test_layers_whose_buffers_differ_are_traced_in_full():
 def test_layers_whose_settings_or_tensor_attributes_differ_are_different_kinds_or_traced_in_full():
     import torch
 
-    from rope_export.hf.stamping import NotStampable, layer_kinds
+    from rope_export.exporting.stamping import NotStampable
+    from rope_export.hf.stamping import layer_kinds
 
     model = build("olmo")
     layout = hf.cache_layout(model)
@@ -171,3 +176,71 @@ def test_layers_whose_settings_or_tensor_attributes_differ_are_different_kinds_o
         layer.mlp.offset = torch.tensor([float(i)])  # a tensor attribute, no buffer: traced as a constant
     with pytest.raises(NotStampable, match="layer 1's buffer mlp.offset differs from layer 0's"):
         layer_kinds(model, layout)
+
+
+_LAYER_SCALE: dict[int, float] = {}  # a global table a module reads: no parameter, buffer, attribute or layer index
+
+
+class _TableMLP:  # made a subclass of the model's own MLP class in the test below
+    def forward(self, x):
+        return super().forward(x) * _LAYER_SCALE[id(self)]
+
+
+def _table_model(scales: list[float]):
+    """The 4-layer OLMo whose layer i's MLP scales its output by ``scales[i]``, read from a global table."""
+    model = build("olmo")
+    mlp = type(model.model.layers[0].mlp)
+    table_mlp = type("TableMLP", (_TableMLP, mlp), {"forward": _TableMLP.forward})
+    for layer, scale in zip(model.model.layers, scales, strict=True):
+        layer.mlp.__class__ = table_mlp
+        _LAYER_SCALE[id(layer.mlp)] = scale
+    return model
+
+
+@pytest.mark.parametrize("planted", [3, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_per_layer_value_structure_cannot_see_is_caught_by_the_layer_comparison(planted):
+    """One layer's MLP scales its output by another entry of a global table than the others: the layers group into
+    one kind and the stamped graph is well formed (torch.export bakes layer 1's entry into the template, and every
+    copy reads it), so only comparing each stamped layer with transformers' own finds it. Layer 2 is the first
+    stamped layer (run on onnxruntime), layer 3 a later one (layer 1's module run with its weights, in torch)."""
+    from rope_export.hf.stamping import layer_kinds
+
+    model = _table_model([1.0 if i != planted else 1.25 for i in range(LAYERS)])
+    assert layer_kinds(model, hf.cache_layout(model)) == [0, 0, 0, 0]  # structure sees one kind
+    result = hf.export_hf(model)
+    assert result.trace.startswith(f"full (per-kind not used: stamped layer {planted}'s hidden state differs from "
+                                   f"the model's layer {planted} by "), result.trace
+
+
+def test_a_global_table_with_one_value_for_every_layer_is_stamped():
+    model = _table_model([1.5] * LAYERS)
+    result = hf.export_hf(model)
+    assert result.trace.startswith("per-kind: "), result.trace
+    hf_zoo.compare_with_transformers(model, result)
+
+
+def _masked_outputs(result: hf.HFExportResult, kv_buffer: bool) -> list[np.ndarray]:
+    """The file on a batch whose first row starts with two padding tokens (past 4, 3 new tokens; with a KV buffer
+    each past in a buffer two longer than past+seq)."""
+    run = hf_zoo.runner(result.model)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, hf_zoo.VOCAB, (hf_zoo.BATCH, 3))
+    mask = np.ones((hf_zoo.BATCH, 7), dtype=np.int64)
+    mask[0, :2] = 0
+    past = [rng.standard_normal(shape).astype(np.float32) for io in result.layout.layers for shape in io.shapes(
+        hf_zoo.BATCH, 4)]
+    if kv_buffer:
+        past = [np.concatenate([p, np.zeros((*p.shape[:2], 5, p.shape[3]), np.float32)], axis=2) for p in past]
+    return run([ids, hf_zoo.positions(result.family.position_rank, 4, 3).numpy(), mask, *past])
+
+
+@pytest.mark.parametrize("kv_buffer", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_files_with_an_attention_mask_or_a_kv_buffer_are_stamped_and_equal_the_full_trace(kv_buffer):
+    """What package genai --hf exports: an attention_mask input (and with --kv-buffer, buffers updated in place)."""
+    model = build("olmo")
+    stamped = hf.export_hf(model, attention_mask=True, kv_buffer=kv_buffer)
+    assert stamped.trace.startswith("per-kind: 2 of 4 decoder layers"), stamped.trace
+    full = hf.export_hf(model, attention_mask=True, kv_buffer=kv_buffer, trace="full")
+    assert [i.name for i in stamped.model.graph.input] == [i.name for i in full.model.graph.input]
+    for a, b in zip(_masked_outputs(full, kv_buffer), _masked_outputs(stamped, kv_buffer), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

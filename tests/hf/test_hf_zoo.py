@@ -16,11 +16,6 @@ quickest); the others are marked ``slow`` (``make test-slow``).
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import json
-import os
-import re
 from pathlib import Path
 
 import pytest
@@ -28,7 +23,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import hf_zoo  # noqa: E402
-from hf_zoo_configs import NOT_IN_ZOO, ZOO_TYPES  # noqa: E402
+from hf_zoo_configs import NOT_IN_ZOO, ZOO_TYPES, rotary_source  # noqa: E402
 from hf_zoo_table import DOC, doc_table, load_results, render  # noqa: E402
 
 RESULTS = load_results()
@@ -56,25 +51,10 @@ FAST = (
 )
 
 
-def _param(model_type: str):
-    marks = [] if model_type in FAST else [pytest.mark.slow]
-    recorded = RESULTS.get(model_type)
-    if recorded is not None and recorded["status"] == "fail":
-        marks.append(pytest.mark.xfail(strict=True, reason=recorded["reason"]))
-    return pytest.param(model_type, marks=marks, id=model_type)
-
-
-def _record(result: hf_zoo.ZooResult) -> None:
-    path = os.environ.get("HF_ZOO_RECORD")
-    if path:
-        with open(path, "a") as sink:
-            sink.write(json.dumps(result.as_dict()) + "\n")
-
-
-@pytest.mark.parametrize("model_type", [_param(t) for t in ZOO_TYPES])
+@pytest.mark.parametrize("model_type", [hf_zoo.zoo_param(t, FAST, RESULTS) for t in ZOO_TYPES])
 def test_zoo_type_exports_by_default_as_recorded(model_type):
     result = hf_zoo.check_type(model_type)
-    _record(result)
+    hf_zoo.record(result, "HF_ZOO_RECORD")
     recorded = RESULTS.get(model_type)
     assert recorded is not None, f"{model_type} has no recorded result: run make hf-zoo"
     if recorded["status"] == "refused":
@@ -91,15 +71,8 @@ def _rope_causal_lm_types() -> set[str]:
     """Causal-LM model types of the installed transformers whose modeling file has a rotary function or class."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    found = set()
-    for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
-        try:
-            source = inspect.getsource(importlib.import_module(getattr(transformers, class_name).__module__))
-        except Exception:  # noqa: BLE001, S112 - a type whose modeling file does not import here is not counted
-            continue
-        if re.search(r"rotary|rotate_half|apply_rotary|\brope_|freqs_cis|RotaryEmbedding", source):
-            found.add(model_type)
-    return found
+    return {model_type for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+            if rotary_source(class_name)}
 
 
 def test_the_zoo_and_its_exclusions_cover_every_rope_causal_lm_type():

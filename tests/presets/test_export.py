@@ -181,12 +181,18 @@ def test_cli_writes_file_and_prints_summary(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.onnx"]  # no temporary left behind
 
 
+def test_cli_makes_the_folders_of_its_output(tmp_path):
+    path = tmp_path / "new" / "dir" / "tiny.onnx"
+    assert cli.main(["export", "--preset", "tiny", "-o", str(path)]) == 0
+    assert count_rotary_nodes(onnx.load_model(path)) == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--preset", "nope"], "unknown preset 'nope'"),
         (["--opset", "17"], "opset 17 is outside"),
-        (["-o", "/nonexistent-dir/x.onnx"], "does not exist"),
+        (["-o", "/dev/null/x.onnx"], "is a file, not a folder"),
     ],
 )
 def test_cli_errors_are_one_clear_line(argv, message, tmp_path, capsys):
@@ -205,8 +211,8 @@ def test_cli_checks_the_output_folder_before_building_a_transformers_model(tmp_p
 
     monkeypatch.setattr(hf, "build_hf_model", never)
     (tmp_path / "config.json").write_text("{}")
-    assert cli.main(["export", "--hf", str(tmp_path), "-o", str(tmp_path / "no" / "x.onnx")]) == 2
-    assert "the folder" in capsys.readouterr().err
+    assert cli.main(["export", "--hf", str(tmp_path), "-o", str(tmp_path / "config.json" / "x.onnx")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_dtype(capsys, tmp_path):
