@@ -480,11 +480,11 @@ def _per_kind(model, fam, functions, census, layout, input_names, output_names, 
     if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) <
                                 sum(c for layer, c in want.items() if layer is None or layer < traced)):
         _fuse(program, notes, hooked=hook is not None)
+    state_norm_precision(program.model)  # before stamping, which copies them (rope_export.exporting.precision)
     say(f"stamping the traced layers {n - traced} times with each layer's weights and cache")
     stamped = stamp(program.model, model, layers_name=layers_name, onnx_prefix=prefix, kinds=kinds,
                     input_names=input_names, output_names=output_names)
     added = sum(len(layer.nodes) for layer in stamped)
-    state_norm_precision(program.model)  # every layer's norms, the stamped ones too (rope_export.exporting.precision)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
