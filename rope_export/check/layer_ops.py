@@ -4,14 +4,16 @@ A decoder layer's ops are found in the file by torch.onnx's name scopes (``layer
 under ``...layers.N`` (its norms, its q/k/v/o and MLP projections, its activation) is one op, whose result
 is the value made last in that scope and read outside it; the rotary nodes (``rotation (q)``, ``rotation
 (k)``: the one whose result reaches ``present.N.key``) and the attention's Softmax (its input, ``attention
-scores``, and its result, ``softmax``) are ops of their own. ``recording(layer)`` takes the same results from
+scores``, and its result, ``softmax``; the softmax inside an ONNX ``Attention``, whose result the file does not
+hold) are ops of their own. ``recording(layer)`` takes the same results from
 PyTorch while the layer runs: a forward hook on each submodule (by the same relative name), and transformers'
 ``eager_attention_forward`` (the rotated query and key) and ``softmax`` (its input, result and dtype) wrapped
 for the call.
 
 Each op also says the precision the file states for its arithmetic (``Stage.stated``): a norm's statistics
 are computed in its input's type when that is float32, else in its ``stash_type`` (float32 by default), a
-norm written out in plain ops in the type of its ReduceMean; a Softmax in its input's type; our rotary op in
+norm written out in plain ops in the type of its ReduceMean; a Softmax in its input's type, an ONNX Attention's
+softmax in its ``softmax_precision`` (else in its inputs' type); our rotary op in
 float32 (the contract); a MatMul in its inputs' type. PyTorch's precision for the same op
 (``pytorch_precision``): float32 for a norm's statistics (transformers' norms upcast; torch's LayerNorm
 accumulates half inputs in float32), the dtype its softmax was called with (eager attention: float32), the
@@ -164,7 +166,20 @@ def _stages_of(graph, layer: int, positions: list[int], consumers: dict, produce
                                          f"the scores computed in {computed}")))
             found.append((k, Stage("softmax", "softmax", node.output[0], "softmax.output", stated,
                                    f"Softmax on {stated}")))
+        elif node.op_type == "Attention" and not any(s.kind == "softmax" for _, s in found):
+            found.append((k, _attention_softmax(node, types)))
     return [stage for _, stage in sorted(found, key=lambda item: item[0])]
+
+
+def _attention_softmax(node: onnx.NodeProto, types) -> Stage:
+    """The softmax inside an ONNX Attention (``export --kv-buffer``): stated by ``softmax_precision``, else computed
+    in the type of Q and K (the op's spec). Its result is inside the op, so it has no value to compare ("")."""
+    given = _type_name(types, node.input[0])
+    precision = _attribute(node, "softmax_precision", None)
+    stated = TYPE_NAMES.get(int(precision), "") if precision is not None else given
+    how = (f"Attention with softmax_precision {stated}" if precision is not None else
+           f"Attention on {given or 'its inputs'} without softmax_precision (the softmax in the inputs' type)")
+    return Stage("softmax", "softmax", "", "softmax.output", stated, how)
 
 
 def all_layer_stages(graph: onnx.GraphProto, types) -> dict[int, list[Stage]]:
