@@ -276,6 +276,27 @@ def test_check_runs_onnxruntime_in_pieces_when_one_session_would_not_fit(tmp_pat
         assert [s.max_abs for s in stats] == [s.max_abs for s in ort_report.cases[case]]
 
 
+def test_check_runs_the_reference_runners_in_pieces_with_the_same_numbers(tmp_path):
+    """onnx.reference and the CPU twin hold a file about twice over (its ModelProto and the evaluator's arrays):
+    above --piece-limit/--memory-limit they run piece by piece, each piece's weights loaded alone, and compute what
+    the whole file in memory computes, to the bit."""
+    path = tmp_path / "llama.onnx"
+    onnx.save_model(copy(hf_file("llama")), path, save_as_external_data=True, location="llama.onnx.data",
+                    size_threshold=1024)
+    mf = ModelFile.open(path)
+    runner, note = make_runner("onnx-reference", mf, limits=Limits(memory=ort_cpu_bytes(mf) - 1))
+    assert isinstance(runner, StreamedRunner) and "each piece's weights loaded alone" in note
+    names = ("onnx-reference", "cpu-twin")
+    pieces = check(path, names, piece_limit_gb=ort_cpu_bytes(mf) / 4 / 2**30, sweep=False)
+    whole = check(path, names, sweep=False)
+    assert pieces.passed and whole.passed, pieces.failure_message()
+    for in_pieces, at_once in zip(pieces.runners, whole.runners, strict=True):
+        assert "pieces" in in_pieces.reason and "pieces" not in at_once.reason
+        assert in_pieces.cases.keys() == at_once.cases.keys() and in_pieces.cases
+        for case, stats in at_once.cases.items():
+            assert [s.max_abs for s in stats] == [s.max_abs for s in in_pieces.cases[case]]
+
+
 def test_the_plan_refuses_a_cycle():
     from rope_export.check.model_file import CheckError
 
