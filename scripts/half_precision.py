@@ -1,7 +1,8 @@
 """Half precision with trained-like statistics: check's per-layer worst ratios before and after the float32 steps.
 
     .venv/bin/python scripts/half_precision.py --out /tmp/half [--size tiny|1b] [--dtypes fp16 bf16]
-        [--runners onnxruntime-cpu,onnx-reference,cpu-twin] [--max-in-memory GB]
+        [--runners onnxruntime-cpu,onnx-reference,cpu-twin] [--max-in-memory GB] [--memory-limit GB]
+        [--piece-limit GB] [--cases tests|small] [--when before after]
 
 A Llama (the tests' tiny one: 2 layers, hidden 128; or Llama-3.2-1B-shaped: 16 layers, hidden 2048, vocab 128256)
 with random weights, given trained-like statistics by ``rope_export.hf.planting`` and saved with save_pretrained,
@@ -136,6 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-in-memory", type=float, default=None, help="GB of weights onnx.reference may load")
     parser.add_argument("--cases", choices=sorted(CASES), default="tests", help="check's case sizes")
     parser.add_argument("--memory-limit", type=float, default=None, help="check's --memory-limit GB")
+    parser.add_argument("--piece-limit", type=float, default=None,
+                        help="check's --piece-limit GB: onnxruntime, onnx.reference and the CPU twin in pieces of this")
     parser.add_argument("--when", nargs="+", default=["before", "after"], choices=["before", "after"],
                         help="which exports to check (one process each keeps each peak RSS its own)")
     args = parser.parse_args(argv)
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
             print(f"{dtype} {when}: exported in {time.perf_counter() - started:.0f} s", flush=True)
             started = time.perf_counter()
             report = check(path, tuple(args.runners.split(",")), max_in_memory_gb=args.max_in_memory,
-                           memory_limit_gb=args.memory_limit, **CASES[args.cases],
+                           memory_limit_gb=args.memory_limit, piece_limit_gb=args.piece_limit, **CASES[args.cases],
                            progress=lambda message: print(f"  {message}", flush=True))
             rows = summary(report)
             results[f"{dtype} {when}"] = {"passed": report.passed, "runners": rows, "notes": report.notes,

@@ -41,6 +41,7 @@ from rope_export.exporting.core import (
     finish_export,
     graph_proto,
 )
+from rope_export.exporting.precision import state_norm_precision
 from rope_export.hf.cache_io import CacheLayout, cache_layout, check_sliding_layers
 from rope_export.hf.counting import count_and_compare, eager_rotations
 from rope_export.hf.errors import HFExportError
@@ -206,6 +207,7 @@ def export_component(model, name: str, module, inputs: tuple, shapes, names: tup
     if census.plain and len(rotary_nodes(program.model)) < len(census.plain):
         _fuse(program, notes, hooked=hook is not None)
         notes[-1] = notes[-1].replace("no rotary function verified", "rotations not hooked")
+    state_norm_precision(program.model)  # float32 norm statistics in the types (rope_export.exporting.precision)
     proto = graph_proto(program)
     report = count_and_compare(census, proto, allow_decomposed=allow_decomposed, notes=notes)
     how = hook.description if hook is not None else ("fused by rope_export.passes.fuse" if census.plain else
