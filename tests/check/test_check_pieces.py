@@ -27,7 +27,14 @@ from check_files import COMMON, FAMILIES, TARGETS, copy, hf_file, preset_file  #
 from rope_export.check import check  # noqa: E402
 from rope_export.check.inputs import InputPlan, stress_cases  # noqa: E402
 from rope_export.check.model_file import ModelFile  # noqa: E402
-from rope_export.check.pieces import StreamedRunner, plan_pieces, session_costs, topological_order  # noqa: E402
+from rope_export.check.pieces import (  # noqa: E402
+    Piece,
+    StreamedRunner,
+    constant_values,
+    plan_pieces,
+    session_costs,
+    topological_order,
+)
 from rope_export.check.runners import Limits, Skip, make_runner, ort_cpu_bytes  # noqa: E402
 from rope_export.exporting.precision import MARK  # noqa: E402
 
@@ -295,6 +302,34 @@ def test_check_runs_the_reference_runners_in_pieces_with_the_same_numbers(tmp_pa
         assert in_pieces.cases.keys() == at_once.cases.keys() and in_pieces.cases
         for case, stats in at_once.cases.items():
             assert [s.max_abs for s in stats] == [s.max_abs for s in in_pieces.cases[case]]
+
+
+def test_values_of_the_weights_alone_are_held_once_for_every_case():
+    """A Transpose of a weight (a tied embedding's, for the head) computed in one piece and read in a later one is
+    the same in every case: held once, not once per case; what depends on the inputs is each case's own."""
+    rng = np.random.default_rng(0)
+    w = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}") for i in range(2)]
+    nodes = [helper.make_node("Transpose", ["w1"], ["w1_t"]),
+             helper.make_node("Shape", ["w0"], ["w0_shape"]),
+             helper.make_node("MatMul", ["x", "w0"], ["a"]),
+             helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("MatMul", ["b", "w1_t"], ["y"])]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8]),
+                               helper.make_tensor_value_info("w0_shape", TensorProto.INT64, [2])], initializer=w)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    pieces = [Piece(nodes=[0, 1, 2], inputs=["x"], outputs=["w1_t", "w0_shape", "a"], initializers=["w0", "w1"], weight_bytes=0, session_bytes=0),
+              Piece(nodes=[3, 4], inputs=["a", "w1_t"], outputs=["y"], initializers=[], weight_bytes=0, session_bytes=0)]
+    assert constant_values(graph, pieces) == {"w1_t", "w0_shape"}
+    xs = [rng.standard_normal((2, 8)).astype(np.float32) for _ in range(3)]
+    cases = [type("Case", (), {"feeds": {"x": x}})() for x in xs]
+    runner = StreamedRunner(model, None, pieces, ort_session(), "onnxruntime-cpu")
+    outputs, _ = runner.run_cases(cases)
+    for x, out in zip(xs, outputs, strict=True):
+        assert np.allclose(out["y"], np.maximum(x @ numpy_helper.to_array(w[0]), 0) @ numpy_helper.to_array(w[1]).T,
+                           atol=1e-5)
+    # between the pieces: the transposed weight once and each case's own activation
+    assert runner.kept_bytes == 8 * 8 * 4 + 2 * 8 + 3 * 2 * 8 * 4
 
 
 def test_the_plan_refuses_a_cycle():
