@@ -318,8 +318,10 @@ def test_values_of_the_weights_alone_are_held_once_for_every_case():
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8]),
                                helper.make_tensor_value_info("w0_shape", TensorProto.INT64, [2])], initializer=w)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    pieces = [Piece(nodes=[0, 1, 2], inputs=["x"], outputs=["w1_t", "w0_shape", "a"], initializers=["w0", "w1"], weight_bytes=0, session_bytes=0),
-              Piece(nodes=[3, 4], inputs=["a", "w1_t"], outputs=["y"], initializers=[], weight_bytes=0, session_bytes=0)]
+    sizes = dict(weight_bytes=0, session_bytes=0)
+    pieces = [Piece(nodes=[0, 1, 2], inputs=["x"], outputs=["w1_t", "w0_shape", "a"], initializers=["w0", "w1"],
+                    **sizes),
+              Piece(nodes=[3, 4], inputs=["a", "w1_t"], outputs=["y"], initializers=[], **sizes)]
     assert constant_values(graph, pieces) == {"w1_t", "w0_shape"}
     xs = [rng.standard_normal((2, 8)).astype(np.float32) for _ in range(3)]
     cases = [type("Case", (), {"feeds": {"x": x}})() for x in xs]
