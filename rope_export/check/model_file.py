@@ -356,9 +356,8 @@ def free_memory(weight_bytes: int) -> None:
 
 
 def _trim_heap() -> None:
-    """Give freed heap pages back to the system (glibc's malloc_trim): one onnxruntime session or onnx.reference
-    piece after another otherwise leaves the process holding the largest of them over and over (measured at 1B in
-    pieces: 8.8 GB resident for pieces of 2 GB)."""
+    """Give freed heap pages back to the system (glibc's malloc_trim), so that the next runner or piece finds the
+    room that the last one's weights held (freed memory may otherwise stay resident in the allocator's arenas)."""
     import ctypes
     import ctypes.util
 
