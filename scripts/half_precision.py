@@ -59,15 +59,14 @@ def planted_folder(size: str, dtype: str, out: Path) -> Path:
 def float32_steps(on: bool):
     """The exporter as it is (on), or with its float32 steps switched off (as it was before them)."""
     from rope_export.exporting import precision
-    from rope_export.hf import export as exporting
 
-    saved = precision.translations, exporting.state_norm_precision
+    saved = precision.translations, precision.state_norm_precision
     if not on:
-        precision.translations, exporting.state_norm_precision = (lambda: {}), (lambda model: 0)
+        precision.translations, precision.state_norm_precision = (lambda: {}), (lambda model: 0)
     try:
         yield
     finally:
-        precision.translations, exporting.state_norm_precision = saved
+        precision.translations, precision.state_norm_precision = saved
 
 
 def export(folder: Path, dtype: str, path: Path, steps: bool) -> None:

@@ -276,7 +276,7 @@ def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits
     if options.inputs:
         cases = user_cases(list(options.inputs), mf)
         described = f"the user's feeds ({', '.join(map(str, options.inputs))})"
-    elif hasattr(ref, "own_cases"):  # a reference that knows its inputs (a task file's, a diffusers denoiser's latent sizes)
+    elif hasattr(ref, "own_cases"):  # a reference that knows its inputs (a task file's; a denoiser's latent sizes)
         cases, case_notes, described = ref.own_cases(mf, plan)
         subject.notes += case_notes
     else:

@@ -11,8 +11,8 @@ Real models have weights far past protobuf's 2 GB limit, so:
   ``never`` keeps them inside up to protobuf's limit (``EXTERNAL_DATA_THRESHOLD``) and refuses a
   model too big for one file. Why not in-file up to 2 GB: protobuf serializes a whole ModelProto
   in memory (the weights copied into it, then into the bytes written), and every reader parses it
-  whole again; a 135M-parameter model's 538 MB took 9.6 s and 2.2 GB of peak RSS to write inside
-  the ``.onnx`` against 1.1 s and 0.8 GB beside it, and onnx.checker's full check on the file 2.9
+  whole again; a 135M-parameter model's 538 MB took 9.6 s and 4.2 GB of peak RSS to write inside
+  the ``.onnx`` against 1.1 s and 0.75 GB beside it, and onnx.checker's full check on the file 2.9
   s against 0.0 s (2026-11-28, load 9 on 2 cores). onnxruntime-genai's model builder and mobius
   always write ``model.onnx.data``. Tensors are streamed one at a time from wherever they live (torch, an input
   file) in large sequential writes past the page cache (``rope_export.files.tensor_stream``,

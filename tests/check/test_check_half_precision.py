@@ -145,12 +145,11 @@ def test_an_export_without_one_float32_step_fails_the_envelope(undone, monkeypat
     """The exporter itself with one of its float32 steps switched off: the envelope test above fails."""
     from rope_export import hf
     from rope_export.exporting import precision
-    from rope_export.hf import export as hf_export
 
     if undone == "softmax":  # torchlib's own softmax translation
         monkeypatch.setattr(precision, "translations", lambda: {})
     else:  # torch.onnx's fused norm, float32 in stash_type only
-        monkeypatch.setattr(hf_export, "state_norm_precision", lambda model: 0)
+        monkeypatch.setattr(precision, "state_norm_precision", lambda model: 0)
     folder = planted_folder("fp16")
     model = hf.export_hf(hf.build_hf_model(folder, dtype="fp16"), weights=str(folder)).model
     with pytest.raises(AssertionError):
