@@ -250,11 +250,16 @@ def test_a_subgraph_reading_values_of_an_earlier_piece():
 
 # -- check uses it -------------------------------------------------------------------------------
 
-def test_check_runs_onnxruntime_in_pieces_when_one_session_would_not_fit(tmp_path):
+def external_llama(tmp_path):
+    """(path, ModelFile) of the tiny Llama saved with its weights in external data."""
     path = tmp_path / "llama.onnx"
     onnx.save_model(copy(hf_file("llama")), path, save_as_external_data=True, location="llama.onnx.data",
                     size_threshold=1024)
-    mf = ModelFile.open(path)
+    return path, ModelFile.open(path)
+
+
+def test_check_runs_onnxruntime_in_pieces_when_one_session_would_not_fit(tmp_path):
+    path, mf = external_llama(tmp_path)
     runner, note = make_runner("onnxruntime-cpu", mf, limits=Limits(memory=ort_cpu_bytes(mf) - 1))
     assert isinstance(runner, StreamedRunner) and "pieces, one session each" in note
     assert "more than the" in note and "--memory-limit" in note
@@ -287,10 +292,7 @@ def test_check_runs_the_reference_runners_in_pieces_with_the_same_numbers(tmp_pa
     """onnx.reference and the CPU twin hold a file about twice over (its ModelProto and the evaluator's arrays):
     above --piece-limit/--memory-limit they run piece by piece, each piece's weights loaded alone, and compute what
     the whole file in memory computes, to the bit."""
-    path = tmp_path / "llama.onnx"
-    onnx.save_model(copy(hf_file("llama")), path, save_as_external_data=True, location="llama.onnx.data",
-                    size_threshold=1024)
-    mf = ModelFile.open(path)
+    path, mf = external_llama(tmp_path)
     runner, note = make_runner("onnx-reference", mf, limits=Limits(memory=ort_cpu_bytes(mf) - 1))
     assert isinstance(runner, StreamedRunner) and "each piece's weights loaded alone" in note
     names = ("onnx-reference", "cpu-twin")
