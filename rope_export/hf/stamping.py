@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rope_export.detect import rotary_nodes
+from rope_export.exporting import precision
 from rope_export.exporting.stamping import (
     MIN_LAYERS,
     NotStampable,
@@ -292,6 +293,7 @@ def traced_per_kind(model, fam, functions, census, layout, names: tuple[list[str
     if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) <
                                 sum(c for layer, c in want.items() if layer is None or layer < traced)):
         fuse_unreached(program, notes, hooked=hook is not None)
+    precision.state_norm_precision(program.model)  # before stamping, which copies them (exporting.precision)
     say(f"stamping the traced layers {n - traced} times with each layer's weights and cache")
     stamped = stamp(program.model, model, layers_name=layers_name, onnx_prefix=prefix, kinds=kinds,
                     input_names=input_names, output_names=output_names)

@@ -19,6 +19,7 @@ import torch
 
 from rope_export import __version__
 from rope_export.detect import rotary_nodes
+from rope_export.exporting import precision
 from rope_export.exporting.core import (
     INPUT_NAMES,
     METADATA_PREFIX,
@@ -207,6 +208,7 @@ def traced_and_fused(model, module, inputs, shapes, input_names, output_names, *
         raise export_failure(model, exc, layout) from exc
     if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) < len(census.plain)):
         fuse_unreached(program, notes, hooked=hook is not None)  # what no hook reached is fused
+    precision.state_norm_precision(program.model)  # float32 norm statistics in the types (exporting.precision)
     return program, hook
 
 

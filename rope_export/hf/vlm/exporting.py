@@ -34,6 +34,7 @@ import torch
 from rope_export import __version__
 from rope_export.detect import rotary_nodes
 from rope_export.detect.functions import recorded_calls
+from rope_export.exporting import precision
 from rope_export.exporting.core import (
     DTYPES,
     METADATA_PREFIX,
@@ -206,6 +207,7 @@ def export_component(model, name: str, module, inputs: tuple, shapes, names: tup
     if census.plain and len(rotary_nodes(program.model)) < len(census.plain):
         fuse_unreached(program, notes, hooked=hook is not None)
         notes[-1] = notes[-1].replace("no rotary function verified", "rotations not hooked")
+    precision.state_norm_precision(program.model)  # float32 norm statistics in the types (exporting.precision)
     proto = graph_proto(program)
     report = count_and_compare(census, proto, allow_decomposed=allow_decomposed, notes=notes)
     how = hook.description if hook is not None else ("fused by rope_export.passes.fuse" if census.plain else
