@@ -26,9 +26,10 @@ from test_hf_zoo import FAST, RESULTS  # noqa: E402
 from rope_export import hf  # noqa: E402
 
 EXPORTING = [t for t in FAST if RESULTS.get(t, {}).get("status") == "pass"]
-# in make test: a dense type with no entry of ours, Gemma 3 (sliding and full layers, 1 + norm weight left
-# unfolded while tracing), and one that falls back (its layers are no ModuleList named "layers")
-QUICK = {"olmo": "per-kind", "codegen": "full"}  # gemma3_text (two kinds) is slow: 2 min on 2 busy cores
+# in make test: a dense type with no entry of ours and one that falls back (its layers are no ModuleList named
+# "layers"); Gemma 3 (sliding and full layers, 1 + norm weight left unfolded while tracing) is slow: 2 minutes
+# on two busy cores
+QUICK = {"olmo": "per-kind", "codegen": "full"}
 
 
 LAYERS = 4  # the zoo's tiny configs have 2 layers: stamping needs 3 or more
