@@ -46,7 +46,7 @@ from rope_export.blocks.check import FileMismatchError, check_on_onnxruntime
 from rope_export.common.fileio import check_writable
 from rope_export.detect import CountReport, RotationCensus, compare_with_file, count_rotations, rotary_nodes
 from rope_export.detect.census import module_path_of
-from rope_export.exporting import FACTORY_HELP
+from rope_export.exporting import FACTORY_HELP, precision
 from rope_export.exporting.onnxruntime_gaps import fill_onnxruntime_gaps
 from rope_export.files import onnx_files
 from rope_export.passes import FusionReport, fuse
@@ -197,6 +197,7 @@ def export_module(
     fusion = FusionReport()
     model = fuse(program.model, report=fusion, adopt_standard=True,  # in place: no copy of the weights
                  table_inputs=_table_input_names(census, program.model, args, kwargs))
+    precision.state_norm_precision(model)  # float32 norm statistics in the types, not only in stash_type
     if output is None:
         if onnx_files.weight_bytes(model) < onnx_files.EXTERNAL_DATA_THRESHOLD:
             onnx.checker.check_model(ir.to_proto(model), full_check=True)

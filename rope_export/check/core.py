@@ -17,6 +17,7 @@ from rope_export.check.compare import compare_against_pytorch, compare_output, t
 from rope_export.check.graph import rotary_nodes, rotary_slices
 from rope_export.check.inputs import InputPlan, describe_plan, find_vocab, input_role, stress_cases, user_cases
 from rope_export.check.layer_errors import compare_layers, layer_outputs, pytorch_layer_errors
+from rope_export.check.layer_faults import diagnose, finding_line, precision_findings
 from rope_export.check.layer_rope import slice_ropes
 from rope_export.check.metadata import file_source, read_hf_info, read_preset_info
 from rope_export.check.model_file import CheckError, ModelFile, free_memory, memory_limit_bytes
@@ -142,6 +143,7 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
     cases, described = _cases(subject, ref, options, past_end, limits)
     del vlm_feeds  # read into the cases: their scratch folder goes
     expected, rule, pytorch_layers = _run_reference(subject, ref, cases, layers, say)
+    precision = _stated_below_pytorch(subject, ref, rule)
     compared_outputs = ref.expected_outputs(subject.mf)
     missing = [o.name for o in subject.mf.outputs if o.name not in compared_outputs]
     if missing:
@@ -158,7 +160,8 @@ def check(model: onnx.ModelProto | str | os.PathLike, runners: tuple[str, ...] =
         dtype=subject.dtype, tolerance=tol, rule=rule, pytorch_layers=_max_per_layer(pytorch_layers),
         runners=reports, tables=subject.tables, inputs=described, cases=[c.name for c in cases], notes=subject.notes,
         preset=subject.preset.preset.name if subject.preset else "",
-        sweep_tolerance=tolerance("op", DTYPES[subject.dtype]), weights=getattr(ref, "weights_source", {}))
+        sweep_tolerance=tolerance("op", DTYPES[subject.dtype]), weights=getattr(ref, "weights_source", {}),
+        precision=precision)
 
 
 def _vlm_component(mf: ModelFile, options: CheckOptions):
@@ -273,7 +276,7 @@ def _cases(subject: _Subject, ref, options: CheckOptions, past_end: bool, limits
     if options.inputs:
         cases = user_cases(list(options.inputs), mf)
         described = f"the user's feeds ({', '.join(map(str, options.inputs))})"
-    elif hasattr(ref, "own_cases"):  # a reference that knows its inputs (a task file's, a diffusers denoiser's latent sizes)
+    elif hasattr(ref, "own_cases"):  # a reference that knows its inputs (a task file's; a denoiser's latent sizes)
         cases, case_notes, described = ref.own_cases(mf, plan)
         subject.notes += case_notes
     else:
@@ -318,6 +321,16 @@ def _run_reference(subject: _Subject, ref, cases: list, layers: int, say):
     return expected, rule, pytorch_layers
 
 
+def _stated_below_pytorch(subject: _Subject, ref, rule) -> list[dict]:
+    """The ops the file states below PyTorch's precision, found by a runner or not (``layer_faults``), as notes."""
+    if rule is None or getattr(ref, "stream", None) is None:
+        return []
+    found = precision_findings(subject.mf, ref.stream, str(DTYPES[subject.dtype]).removeprefix("torch."))
+    layers = len(ref.reference_states[0]) if ref.reference_states else 0
+    subject.notes += [finding_line(finding, layers) for finding in found]
+    return found
+
+
 def _run_runner(name, prefix, subject: _Subject, ref, cases, expected, outputs, tol, rule, pytorch_layers,
                 plugin_library, limits: Limits, say) -> RunnerReport:
     """One runner on every case, freed after, compared with the reference; skipped or failed with the reason."""
@@ -350,6 +363,11 @@ def _run_runner(name, prefix, subject: _Subject, ref, cases, expected, outputs, 
     if pytorch_layers is not None:
         report.layers = compare_layers(name, actual, [c.name for c in cases], ref.reference_states, pytorch_layers,
                                        rule)
+    if rule is not None:  # outside PyTorch's envelope: which op, and the file's fault or the runner's (layer_faults)
+        del actual
+        diagnose(report, mf, cases, ref, rule, str(DTYPES[subject.dtype]).removeprefix("torch."),
+                 lambda runner, view: make_runner(runner, view, plugin_library=plugin_library, cases=cases,
+                                                  limits=limits), limits.max_in_memory, say)
     return report
 
 

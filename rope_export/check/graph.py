@@ -159,12 +159,6 @@ class _TooBig(Exception):
     pass
 
 
-def _values_read(name: str, nodes: list[onnx.NodeProto]) -> bool:
-    """Whether a node of the slice reads ``name``'s values, not only its shape (a Shape of the hidden states gives
-    the sequence length, which the sweep sets itself: Meta's per-token freqs_cis rows)."""
-    return any(name in node.input and node.op_type != "Shape" for node in nodes)
-
-
 def _signature(rn: RotaryNode, nodes: list[onnx.NodeProto], rotary_dim) -> tuple:
     """What the slice computes, names of intermediate values aside (so shared caches compare equal)."""
     index: dict[str, tuple] = {}
@@ -211,8 +205,13 @@ def rotary_slices(mf: ModelFile) -> tuple[list[RotarySlice], list[str]]:
         except _TooBig as why:
             notes.append(f"{rn.label}: not run alone, {why}")
             continue
-        floats = sorted(s.name for s in mf.inputs if s.name in inputs and s.is_float and _values_read(s.name, nodes))
-        if floats:  # an audio encoder's positions follow its input's length through convolutions: not a sweep's axis
+        # An audio encoder's positions follow its input's length through convolutions (X's length is another
+        # symbol): not a sweep's axis. A float input whose lengths are X's own (positions = arange over its
+        # sequence) is swept like a positions input.
+        x_symbols = {d for d in x.dims if isinstance(d, str)}
+        floats = sorted(s.name for s in mf.inputs if s.name in inputs and s.is_float
+                        and (s.dims is None or not {d for d in s.dims if isinstance(d, str)} <= x_symbols))
+        if floats:
             notes.append(f"{rn.label}: not run alone, its positions come from the length of {', '.join(floats)} "
                          "through the model's own arithmetic; the cases cover it")
             continue

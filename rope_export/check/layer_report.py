@@ -25,8 +25,11 @@ def summary_line(layers: LayerErrors) -> str:
 
 def layer_lines(report, markdown: bool = True) -> list[str]:
     """The per-layer section: a verdict per runner, then (Markdown) a table of error by layer."""
+    from rope_export.check.layer_faults import fault_lines
+
     series = [r for r in report.runners if r.layers is not None]
-    if not series:
+    faults = [r.fault for r in report.runners if getattr(r, "fault", None) is not None]
+    if not series and not faults:
         return []
     lines = []
     if markdown:
@@ -34,6 +37,8 @@ def layer_lines(report, markdown: bool = True) -> list[str]:
                   "higher-precision reference)", ""]
     for r in series:
         lines.append(f"{'- ' if markdown else ''}{r.runner} per layer: {summary_line(r.layers)}")
+    for fault in faults:
+        lines += fault_lines(fault, markdown)
     if markdown:
         lines += ["", "Each layer's case closest to its bound: the runner's error, PyTorch's in the same case, their "
                   "ratio and the bound.", "",

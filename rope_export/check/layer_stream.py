@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rope_export.check.layer_weights import decoder_layers
+from rope_export.check.layer_weights import decoder_layers, to_meta
 
 
 class _Stop(Exception):
@@ -35,6 +35,7 @@ class _Case:
     past: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (key, value), length > 0
     cache: object = None
     hidden: torch.Tensor | None = None
+    first_hidden: torch.Tensor | None = None  # the first layer's input, kept for a layer run again
     calls: list = field(default_factory=list)  # per layer: (args after the hidden state, kwargs)
     layer_states: list[np.ndarray] = field(default_factory=list)
 
@@ -71,13 +72,6 @@ def _set_all(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dt
             same = tensor.dtype == dtype or not tensor.is_floating_point()
             converted[id(tensor)] = tensor if same else tensor.to(dtype)
         _set(model, name, converted[id(tensor)], dtype)
-
-
-def _unset(module: nn.Module) -> None:
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and param.device.type != "meta":
-                sub._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
 
 def _tie(model: nn.Module) -> None:
@@ -131,7 +125,7 @@ class _Precision:
                 else:
                     hidden, args = args[0], args[1:]
                 if case.hidden is None:
-                    case.hidden = hidden
+                    case.hidden = case.first_hidden = hidden
                 case.calls.append((args, kwargs))
                 return hidden
 
@@ -190,34 +184,86 @@ class _Precision:
         return StreamedOutputs(self.dtype, outputs, [c.layer_states for c in self.cases])
 
 
-def stream_causal_lm(auto_class, config, weights, dtypes: list[torch.dtype], feeds: list[dict],
-                     past_layers: list[int], options: dict, say=lambda message: None) -> list[StreamedOutputs]:
-    """Run every case (graph feeds by name) through the model in each of ``dtypes``, a layer at a time.
+class LayerStream:
+    """The causal LM in each of ``dtypes``, run a layer at a time (``run``); after the run, any one layer can run
+    again on chosen cases with its inputs and arguments as they were (``rerun_layer``: what ``check`` records the
+    intermediate values of, to say which op of a layer loses precision).
 
     ``weights``: a ``layer_weights`` source (``outside()``, ``layer(i)``, ``count``)."""
-    from rope_export.check.layer_weights import skeleton
 
-    runs = [_Precision(skeleton(auto_class, config, dtype, options), dtype, feeds, past_layers) for dtype in dtypes]
-    say("layer-streamed reference: weights outside the decoder layers")
-    outside = weights.outside()
-    for run in runs:
-        _set_all(run.model, outside, run.dtype)
-        _tie(run.model)
-        missing = [n for n, p in run.model.named_parameters() if p.device.type == "meta"
-                   and not n.startswith(run.prefix + ".")]
-        if missing:
-            raise RuntimeError(f"no weights for {', '.join(missing[:3])}")
-        run.record()
-    del outside
-    for index in range(weights.count):
-        say(f"layer-streamed reference: decoder layer {index + 1}/{weights.count}")
-        tensors = weights.layer(index)
+    def __init__(self, auto_class, config, weights, dtypes: list[torch.dtype], feeds: list[dict],
+                 past_layers: list[int], options: dict):
+        from rope_export.check.layer_weights import skeleton
+
+        self.weights = weights
+        self.runs = [_Precision(skeleton(auto_class, config, dtype, options), dtype, feeds, past_layers)
+                     for dtype in dtypes]
+
+    def run(self, say=lambda message: None) -> list[StreamedOutputs]:
+        """Every case through every layer, per precision (the module doc)."""
+        weights, runs = self.weights, self.runs
+        say("layer-streamed reference: weights outside the decoder layers")
+        outside = weights.outside()
         for run in runs:
-            _set_all(run.model, tensors, run.dtype)
-            run.run_layer(index)
-            _unset(run.layers[index])
-        del tensors
-    results = [run.finish() for run in runs]
-    for run in runs:
-        _unset(run.model)
-    return results
+            _set_all(run.model, outside, run.dtype)
+            _tie(run.model)
+            missing = [n for n, p in run.model.named_parameters() if p.device.type == "meta"
+                       and not n.startswith(run.prefix + ".")]
+            if missing:
+                raise RuntimeError(f"no weights for {', '.join(missing[:3])}")
+            run.record()
+        del outside
+        for index in range(weights.count):
+            say(f"layer-streamed reference: decoder layer {index + 1}/{weights.count}")
+            tensors = weights.layer(index)
+            for run in runs:
+                _set_all(run.model, tensors, run.dtype)
+                run.run_layer(index)
+                to_meta(run.layers[index])
+            del tensors
+        results = [run.finish() for run in runs]
+        for run in runs:
+            to_meta(run.model)
+        getattr(weights, "release_outside", lambda: None)()  # kept for rerun_layer: only what redraws a layer
+        return results
+
+    def rerun_layer(self, index: int, cases: list[int], recording) -> list[list[dict]]:
+        """Layer ``index`` once more on each of ``cases`` (indices), per precision, from its input in that
+        precision's run and with a fresh cache holding the feeds' past; ``recording(layer)`` is a context manager
+        yielding a dict it fills while the layer runs. Returns [precision][case] -> that dict."""
+        from rope_export.runtimes.contract_runners import to_torch
+
+        tensors = self.weights.layer(index)
+        results = []
+        try:
+            for run in self.runs:
+                _set_all(run.model, tensors, run.dtype)
+                per_case = []
+                for k in cases:
+                    case = run.cases[k]
+                    hidden = case.first_hidden if index == 0 else to_torch(case.layer_states[index - 1])
+                    args, kwargs = _fresh_cache(case.calls[index], _new_cache(case, run.dtype))
+                    with torch.no_grad(), recording(run.layers[index]) as values:
+                        run.layers[index](hidden, *args, **kwargs)
+                    per_case.append(values)
+                results.append(per_case)
+                to_meta(run.layers[index])
+        finally:
+            del tensors
+        return results
+
+
+def _fresh_cache(call, cache):
+    """A layer's recorded (args, kwargs) with the case's cache object replaced by ``cache``."""
+    from transformers.cache_utils import Cache
+
+    args, kwargs = call
+    return (tuple(cache if isinstance(a, Cache) else a for a in args),
+            {k: cache if isinstance(v, Cache) else v for k, v in kwargs.items()})
+
+
+def stream_causal_lm(auto_class, config, weights, dtypes: list[torch.dtype], feeds: list[dict],
+                     past_layers: list[int], options: dict, say=lambda message: None) -> list[StreamedOutputs]:
+    """Run every case (graph feeds by name) through the model in each of ``dtypes``, a layer at a time
+    (``LayerStream.run``)."""
+    return LayerStream(auto_class, config, weights, dtypes, feeds, past_layers, options).run(say)

@@ -43,6 +43,14 @@ def skeleton(auto_class, config, dtype: torch.dtype, options: dict) -> nn.Module
     return model.eval()
 
 
+def to_meta(module: nn.Module) -> None:
+    """Every allocated parameter of ``module`` back on the meta device (freed where nothing else holds it)."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.device.type != "meta":
+                sub._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+
 def _layer_index(name: str, prefix: str) -> int | None:
     if not name.startswith(prefix + "."):
         return None
@@ -153,10 +161,17 @@ class RandomWeights:
             self._first_walk()
         return self._outside
 
+    def release_outside(self) -> None:
+        """Free the weights outside the layers (the embedding, the LM head) once they are given; the layers can
+        still be redrawn (``layer``), for a layer run again."""
+        if self._outside is not None:
+            to_meta(self.model)
+            self._outside, self._made = {}, {}
+
     def layer(self, index: int) -> dict[str, torch.Tensor]:
         from rope_export.hf.checkpoints import default_dtype
 
-        if self._outside is None:
+        if not self._states:
             self._first_walk()
         saved = torch.get_rng_state()
         torch.set_rng_state(self._states[index])

@@ -89,6 +89,7 @@ class ModelFile:
         self.metadata = {p.key.removeprefix(METADATA_PREFIX): p.value for p in proto.metadata_props
                          if p.key.startswith(METADATA_PREFIX)}
         self._value_types: dict[str, TensorSpec] | None = None
+        self._inferred = False  # shape inference ran (value_info did not type every value asked for)
         self.contrib_ops: list[str] = []  # onnxruntime's own ops in the file (set by _validate)
         self._full: onnx.ModelProto | None = proto if weights_loaded else None
         self.added_outputs: list[str] = []  # graph outputs check added in memory (``add_layer_outputs``)
@@ -183,16 +184,34 @@ class ModelFile:
 
     # -- weights, on request -----------------------------------------------------------------
     def full_proto(self) -> onnx.ModelProto:
-        """The ModelProto with every weight in memory (one copy, kept for the next runner that asks)."""
+        """The ModelProto with every weight in memory (one copy, kept for the next runner that asks); outputs
+        check added to the in-memory graph (``add_layer_outputs``, ``with_outputs``) are in it too."""
         if self._full is None:
             self._full = onnx.load(str(self.path))
-            if self.added_outputs:
-                from rope_export.check.layer_errors import add_layer_outputs
-
-                names = [n.input[0] for n in self.proto.graph.node if n.output and n.output[0] in self.added_outputs]
-                elem = self.proto.graph.output[-1].type.tensor_type.elem_type
-                add_layer_outputs(self._full.graph, names, elem)
+            if self.added_outputs:  # the in-memory graph's nodes and outputs, over the file's weights
+                for field in ("node", "output"):
+                    del getattr(self._full.graph, field)[:]
+                    getattr(self._full.graph, field).extend(getattr(self.proto.graph, field))
         return self._full
+
+    def with_outputs(self, values: dict[str, int]) -> ModelFile:
+        """A view of this file whose in-memory graph also outputs ``values`` (name -> elem type), as an Identity
+        each (the file and this ModelFile are unchanged), for one more run of a runner; ``view.outputs_of`` maps
+        each value to its output."""
+        from onnx import helper
+
+        proto = onnx.ModelProto()
+        proto.CopyFrom(self.proto)  # the graph only, when the weights are external
+        added = []
+        for k, (name, elem_type) in enumerate(values.items()):
+            out = f"rope_export.value.{k}"
+            proto.graph.node.append(helper.make_node("Identity", [name], [out], name=f"rope_export.value.identity.{k}"))
+            proto.graph.output.append(helper.make_tensor_value_info(out, elem_type, None))
+            added.append(out)
+        view = ModelFile(proto, self.path, self.weights_loaded)
+        view.contrib_ops, view.added_outputs = self.contrib_ops, [*self.added_outputs, *added]
+        view.outputs_of = dict(zip(values, added, strict=True))  # value -> the graph output that carries it
+        return view
 
     def add_layer_outputs(self, names: list[str], elem_type: int) -> list[str]:
         """Make the values after each decoder layer graph outputs of the in-memory graph (never of the file),
@@ -229,10 +248,13 @@ class ModelFile:
     # -- static information ------------------------------------------------------------------
     def value_type(self, name: str) -> TensorSpec | None:
         """Type and dims of any value (shape inference on the weight-free graph, once)."""
+        if self._value_types is not None and name not in self._value_types and not self._inferred:
+            self._value_types = None  # a value the file's value_info does not type: infer them all, once
+            self._inferred = True
         if self._value_types is None:
             graph = self.proto.graph
             values = list(graph.value_info)
-            if len(values) < len(graph.node) // 2:  # sparse value_info: infer it (the graph only)
+            if self._inferred or len(values) < len(graph.node) // 2:  # sparse value_info: infer it (the graph only)
                 try:
                     values = list(onnx.shape_inference.infer_shapes(_graph_only(self.proto)).graph.value_info)
                 except Exception:  # noqa: BLE001 - inference is best effort here
@@ -330,3 +352,17 @@ def free_memory(weight_bytes: int) -> None:
     so small files skip it."""
     if weight_bytes > BIG_WEIGHTS:
         gc.collect()
+        _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the system (glibc's malloc_trim), so that the next runner or piece finds the
+    room that the last one's weights held (freed memory may otherwise stay resident in the allocator's arenas)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim this way
+        pass

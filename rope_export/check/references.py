@@ -184,6 +184,7 @@ class TransformersReference(Reference):
     pytorch_outputs: list[dict[str, np.ndarray]] | None = None  # PyTorch in the file's dtype, per case
     reference_states: list[list[np.ndarray]] | None = None  # [case][layer]: hidden state after each layer
     pytorch_states: list[list[np.ndarray]] | None = None
+    stream = None  # the check.layer_stream.LayerStream that ran, for check.layer_ops
 
     def streams(self) -> bool:
         return self.precision is not None and not self.layer_kind
@@ -205,7 +206,7 @@ class TransformersReference(Reference):
         import torch
         import transformers
 
-        from rope_export.check.layer_stream import stream_causal_lm
+        from rope_export.check.layer_stream import LayerStream
         from rope_export.check.layer_weights import CheckpointWeights, RandomWeights, skeleton
         from rope_export.hf.families import MODEL_TYPES
         from rope_export.hf.loading import EXPERTS_IMPLEMENTATION, check_config
@@ -224,8 +225,9 @@ class TransformersReference(Reference):
         else:
             source = RandomWeights(auto, self.config, file_dtype, self.info.seed, options)
         say(f"running {self.label} on {len(cases)} cases")
-        reference, pytorch = stream_causal_lm(auto, self.config, source, [ref_dtype, file_dtype],
-                                              [c.feeds for c in cases], self.layers, options, say)
+        self.stream = LayerStream(auto, self.config, source, [ref_dtype, file_dtype], [c.feeds for c in cases],
+                                  self.layers, options)  # kept: a layer runs again to find the op that loses precision
+        reference, pytorch = self.stream.run(say)
         self.pytorch_outputs, self.pytorch_states = pytorch.outputs, pytorch.layer_states
         self.reference_states = reference.layer_states
         free_memory(self.weight_bytes)

@@ -16,6 +16,7 @@ from pathlib import Path
 from rope_export.check.cache_rows import SweepResult, TableCheck
 from rope_export.check.compare import OutputStats, PositionErrors, bucket_label
 from rope_export.check.layer_errors import LayerErrors
+from rope_export.check.layer_faults import LayerFault, fault_dict
 from rope_export.check.layer_report import layer_lines, plot_error_vs_layer, summary_line
 from rope_export.common.bounds import format_bytes
 from rope_export.common.fileio import atomic_write_text
@@ -26,13 +27,16 @@ from rope_export.op.tolerances import AgainstPyTorch, Tolerance
 @dataclass
 class RunnerReport:
     runner: str
-    status: str  # "pass", "FAIL", "skipped" or "golden" (the runner the others are compared with)
+    status: str  # "pass", "FAIL", "skipped", "golden" (the runner the others are compared with) or "runner fault"
+    # ("runner fault": it leaves PyTorch's envelope at an op it computes less precisely than the file states,
+    # check.layer_faults; the file is not failed for it)
     reason: str = ""
     latency_ms: float | None = None
     cases: dict[str, list[OutputStats]] = field(default_factory=dict)
     position_error: PositionErrors = field(default_factory=PositionErrors)
     sweep: SweepResult | None = None
     layers: LayerErrors | None = None  # error after each decoder layer, beside PyTorch's (measured rule only)
+    fault: LayerFault | None = None  # the op of the first layer outside PyTorch's envelope, and whose fault
 
     @property
     def max_abs(self) -> float | None:
@@ -61,6 +65,7 @@ class CheckReport:
     weights: dict = field(default_factory=dict)  # a transformers reference's: {"source": "folder"|"random", ...}
     rule: AgainstPyTorch | None = None  # the measured rule, where a higher-precision reference decided
     pytorch_layers: list[float] | None = None  # PyTorch's own error after each layer, in the file's dtype
+    precision: list[dict] = field(default_factory=list)  # ops the file states less precisely than PyTorch computes
 
     @property
     def rule_name(self) -> str:
@@ -85,11 +90,13 @@ class CheckReport:
                 lines.append(f"runner {r.runner} disagrees with {self.against} on {where or r.reason}")
             if r.layers is not None and r.layers.first_outside is not None:
                 lines.append(f"runner {r.runner}: {summary_line(r.layers)}")
+            if r.fault is not None:
+                lines.append(f"runner {r.runner}: {r.fault.sentence()}")
             if r.sweep is not None and r.sweep.status == "FAIL":
                 lines.append(f"runner {r.runner}, rotary node alone: {r.sweep.reason}")
         if not self.compared:
-            lines.append("no runner could run this file: " + "; ".join(
-                f"{r.runner}: {r.reason}" for r in self.runners if r.status == "skipped"))
+            lines.append("no runner could run this file as it states: " + "; ".join(
+                f"{r.runner}: {r.reason}" for r in self.runners if r.status in ("skipped", "runner fault")))
         return "\n".join(lines)
 
 
@@ -149,6 +156,7 @@ def report_dict(report: CheckReport) -> dict:
         "pass_rule": report.rule_name,
         "against_pytorch": None if report.rule is None else {**asdict(report.rule), "rule": report.rule.describe()},
         "pytorch_error_by_layer": report.pytorch_layers,
+        "stated_below_pytorch": report.precision,
         "inputs": report.inputs,
         "cases": report.cases,
         "notes": report.notes,
@@ -165,6 +173,7 @@ def report_dict(report: CheckReport) -> dict:
                           for case, stats in r.cases.items()},
                 "error_by_layer": None if r.layers is None else {**asdict(r.layers),
                                                                  "worst_ratio": r.layers.worst_ratio},
+                "op_by_op": None if r.fault is None else fault_dict(r.fault),
                 "error_by_position": r.position_error.buckets(),
                 "rotary_sweep": _sweep_dict(r.sweep),
             }
@@ -349,7 +358,7 @@ def print_report(report: CheckReport, console) -> None:
         columns.insert(3, "worst ratio to PyTorch")
     table = make_table(f"{title}, atol {report.tolerance.atol:g} rtol {report.tolerance.rtol:g}", columns,
                        keep=("runner",))
-    styles = {"pass": "green", "FAIL": "bold red", "skipped": "yellow", "golden": "cyan"}
+    styles = {"pass": "green", "FAIL": "bold red", "skipped": "yellow", "golden": "cyan", "runner fault": "magenta"}
     for r in report.runners:
         sweep = "" if r.sweep is None or r.sweep.status == "skipped" else (
             f"[{styles[r.sweep.status]}]{r.sweep.status}[/{styles[r.sweep.status]}]"

@@ -81,12 +81,10 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
     if name in ("onnx-reference", "tensorrt"):
         _contrib_skip(mf, name)
     if name == "onnx-reference":
-        _needs_proto(mf, name, limits.max_in_memory)
-        runner = OnnxReferenceRunner(mf.full_proto())
-        runner.op_classes = [*runner.op_classes, _gather_elements_op()]
         gathers = any(n.op_type == "GatherElements" and n.domain in ("", "ai.onnx") for n in mf.proto.graph.node)
-        return runner, " (GatherElements by np.take_along_axis: onnx.reference's np.choose takes at most 64 rows)" \
-            if gathers else ""
+        runner, how = _reference_runner(mf, name, OnnxReferenceRunner, limits)
+        return runner, how + (" (GatherElements by np.take_along_axis: onnx.reference's np.choose takes at most 64 "
+                              "rows)" if gathers else "")
     if name == "cpu-twin":
         if not kinds & {"rope_export", "trt-plugin"}:
             raise Skip("no rope_export or trt-plugin rotary node for the twin to run (the file was lowered to "
@@ -98,8 +96,7 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
             cpu_twin.twin()
         except (FileNotFoundError, OSError) as exc:
             raise Skip(str(exc)) from None
-        _needs_proto(mf, name, limits.max_in_memory)
-        return CpuTwinRunner(mf.full_proto()), ""
+        return _reference_runner(mf, name, CpuTwinRunner, limits)
     if name in ("onnxruntime-cpu", "onnxruntime-cuda"):
         return _onnxruntime(mf, name, kinds, limits)
     if name == "tensorrt":
@@ -111,6 +108,49 @@ def make_runner(name: str, mf: ModelFile, *, plugin_library: str | None = None, 
         _needs_proto(mf, name, limits.max_in_memory)
         return _tensorrt_runner(mf, plugin_library, cases), " (engine built with the rotary plugin)"
     raise CheckError(f"unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
+
+
+def _reference_runner(mf: ModelFile, name: str, runner_class, limits: Limits):
+    """onnx.reference (or the CPU twin on it) on the whole file in memory, or, where the file's weights are external
+    and ``--memory-limit``/``--piece-limit`` keeps one in-memory copy from fitting, in consecutive pieces
+    (``pieces.py``) with each piece's weights loaded alone: a half-precision file is held about twice over (the
+    ModelProto and onnx.reference's arrays), as ``session_costs`` counts an onnxruntime session's."""
+    def runner(model: onnx.ModelProto):
+        made = runner_class(model, name=name)
+        made.op_classes = [*made.op_classes, _gather_elements_op()]
+        return made
+
+    whole = ort_cpu_bytes(mf)
+    budget = limits.piece_budget(whole) if mf.external else None
+    if budget is None:
+        _needs_proto(mf, name, limits.max_in_memory)
+        return runner(mf.full_proto()), ""
+    pieces = plan_pieces(mf.proto.graph, budget)
+    largest = max(p.session_bytes for p in pieces)
+
+    def open_piece(data: bytes, folder):
+        from onnx.external_data_helper import load_external_data_for_model
+
+        model = onnx.load_from_string(data)
+        load_external_data_for_model(model, str(folder))
+        made = runner(model)
+        made.activate_impl()  # the evaluator, without polygraphy's bookkeeping
+        return _Evaluated(made)
+
+    return StreamedRunner(mf.proto, mf.base_dir, pieces, open_piece, name), (
+        f" (run in {len(pieces)} pieces, each piece's weights loaded alone, the largest about {format_bytes(largest)}: "
+        f"the whole file in memory would take about {format_bytes(whole)}, more than --memory-limit/--piece-limit "
+        "allow)")
+
+
+class _Evaluated:
+    """A piece's reference runner as a session: ``run(output names, feeds)``."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def run(self, names, feeds):
+        return self.runner.evaluator.run(list(names), dict(feeds))
 
 
 def _contrib_skip(mf: ModelFile, name: str) -> None:
@@ -152,8 +192,9 @@ def _onnxruntime(mf: ModelFile, name: str, kinds: set[str], limits: Limits):
     if "trt-plugin" in kinds:
         raise Skip("onnxruntime cannot run the TensorRT plugin node; use cpu-twin or tensorrt for this file")
     if any(s.elem_type == onnx.TensorProto.BFLOAT16 for s in mf.inputs):
-        raise Skip("onnxruntime's Python API takes no bfloat16 inputs (NumPy has no bfloat16 it converts); use "
-                   "onnx-reference, cpu-twin or tensorrt for this file")
+        from rope_export.check.runner_support import bfloat16_skip_reason
+
+        raise Skip(bfloat16_skip_reason(mf))
     provider = "CUDAExecutionProvider" if name == "onnxruntime-cuda" else "CPUExecutionProvider"
     notes, model = [], None
     if "rope_export" in kinds:

@@ -1,13 +1,15 @@
 """``export_diffusers``: a diffusers denoising transformer to ONNX, one rotary node per rotation.
 
 The transformer is called through its family's recipe (``recipes.py``: the inputs at a latent size and their
-dynamic axes) and exported with ``export_module`` (``rope_export.blocks``), which counts the rotations of one
-eager forward, routes the rotary functions it verifies through the op, fuses every rotation left in the
-traced graph (diffusers' ``apply_rotary_emb`` in its interleaved and rotate-half spellings, Wan's and
-LTX-Video's own, Lumina 2's complex product: all found by what they compute), and refuses a file with
-fewer rotary nodes than rotations. Then the file, lowered to ``onnx``, is run on onnxruntime against the
-transformer at a second latent size that no axis of was traced (``recipes.OTHER``), and written with the
-metadata ``rope-export check`` rebuilds the transformer from (``rope_export.check.diffusers_reference``).
+dynamic axes) and exported with ``export_module`` (``rope_export.blocks``; a forward torch.export cannot trace,
+Lumina 2's, is replaced while tracing only by one computing the same values with tensor ops: ``trace_patches.py``),
+which counts the rotations of one eager forward, routes the rotary functions it verifies through the op, fuses
+every rotation left in the traced graph (diffusers' ``apply_rotary_emb`` in its interleaved and rotate-half
+spellings, Wan's and LTX-Video's own, Lumina 2's complex product: all found by what they compute), and refuses a
+file with fewer rotary nodes than rotations. Then the file, lowered to ``onnx``, is run on onnxruntime against the
+transformer (diffusers' own forward) at a second latent size that no axis of was traced (``recipes.OTHER``), and
+written with the metadata ``rope-export check`` rebuilds the transformer from
+(``rope_export.check.diffusers_reference``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rope_export.blocks.check import check_on_onnxruntime
 from rope_export.blocks.export import ModuleExportResult, export_module
 from rope_export.common.fileio import check_writable
 from rope_export.diffusion.recipes import OTHER, TRACED, Denoiser, Inputs, LatentSize, Recipe, inputs_at, recipe_for
+from rope_export.diffusion.trace_patches import traceable
 from rope_export.exporting.core import DTYPES, METADATA_PREFIX
 from rope_export.files import onnx_files
 
@@ -122,18 +125,20 @@ def export_diffusers(
     notes: list[str] = []
     say(f"{type(model).__name__}: family {recipe.name}, traced at {traced.describe()}")
     static: frozenset[str] = frozenset()
-    while True:  # an axis diffusers' own code specialises is made static, said in a note, and the export retried
-        try:
-            result = export_module(wrapper, args, dynamic_shapes=dynamic_shapes(inputs, recipe, static),
-                                   input_names=names, output_names=[OUTPUT_NAME], opset=opset,
-                                   allow_decomposed=allow_decomposed, progress=say, verbose=verbose)
-            break
-        except Exception as exc:  # noqa: BLE001 - only torch.export's "Constraints violated (AXIS)" is retried
-            found = _specialised_axes(exc) - static
-            if not found:
-                raise
-            static |= found
-            say(f"torch.export finds diffusers' code specialises {', '.join(sorted(found))}: exporting it static")
+    with traceable(model) as patch_notes:  # diffusers' own forward again for the comparison below
+        notes += patch_notes
+        while True:  # an axis diffusers' own code specialises is made static, said in a note, and the export retried
+            try:
+                result = export_module(wrapper, args, dynamic_shapes=dynamic_shapes(inputs, recipe, static),
+                                       input_names=names, output_names=[OUTPUT_NAME], opset=opset,
+                                       allow_decomposed=allow_decomposed, progress=say, verbose=verbose)
+                break
+            except Exception as exc:  # noqa: BLE001 - only torch.export's "Constraints violated (AXIS)" is retried
+                found = _specialised_axes(exc) - static
+                if not found:
+                    raise
+                static |= found
+                say(f"torch.export finds diffusers' code specialises {', '.join(sorted(found))}: exporting it static")
     static |= _static_in_file(result.ir_model, inputs)  # torch.onnx may specialise an axis without a word
     if static:
         other = replace(other, **{f: getattr(traced, f) for axis in static for f in SIZE_FIELDS[axis]})

@@ -177,9 +177,13 @@ def _video(model, size, generator) -> Inputs:
 
 def _lumina2(model, size, generator) -> Inputs:
     latent, axes = _video_latent(model, size, generator, layout="bchw")
+    text, text_axes = _text_inputs(model, size, generator, mask="bool")
+    # captions of different lengths in one batch (every odd sample's is whole): Lumina 2 packs each sample's caption
+    # and image tokens by its length (rope_export.diffusion.trace_patches), which equal lengths would not exercise
+    text["encoder_attention_mask"][1::2] = True
     return _ordered(model, ({"hidden_states": latent}, {"hidden_states": axes}),
                     ({"timestep": torch.rand(size.batch, generator=generator)}, {"timestep": {0: "batch"}}),
-                    _text_inputs(model, size, generator, mask="bool"))
+                    (text, text_axes))
 
 
 def _ltx(model, size, generator) -> Inputs:

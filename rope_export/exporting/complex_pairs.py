@@ -208,6 +208,20 @@ def _to(p: Pairs, *args, **kwargs):
     return Pairs(p.pairs.to(*args, **kwargs))
 
 
+def _where(condition, a, b):
+    """``where(condition, a, b)`` of complex values (a real number is its real part), per pair."""
+    like = next(v.pairs for v in (a, b) if isinstance(v, Pairs))
+
+    def side(v):
+        if isinstance(v, Pairs):
+            return v.pairs
+        if isinstance(v, (int, float)):
+            return torch.stack((torch.full_like(like[..., 0], v), torch.zeros_like(like[..., 0])), dim=-1)
+        raise ComplexRewriteError(f"where of a complex tensor and a {type(v).__name__} has no real-pair rewrite")
+
+    return Pairs(torch.where(condition.unsqueeze(-1), side(a), side(b)))
+
+
 def _squeeze(p: Pairs, dim=None):
     n = _n(p)
     if dim is None:
@@ -291,6 +305,7 @@ _HANDLERS = {
     "permute": _permute,
     "transpose": _transpose,
     "gather": _gather,
+    "where": _where,
     "index_select": lambda p, dim, index: Pairs(p.pairs.index_select(_dim(dim, _n(p)), index)),
     "narrow": lambda p, dim, start, length: Pairs(p.pairs.narrow(_dim(dim, _n(p)), start, length)),
     "__getitem__": _getitem,

@@ -51,7 +51,10 @@ def _rotary_translation(x, cos_cache, sin_cache, position_ids=None, interleaved=
 
 
 def custom_translation_table() -> dict:
-    return {torch.ops.rope_export.rotary_embedding.default: _rotary_translation}
+    """The rotary op's translation, and softmaxes that keep PyTorch's precision (``exporting.precision``)."""
+    from rope_export.exporting.precision import translations
+
+    return {torch.ops.rope_export.rotary_embedding.default: _rotary_translation, **translations()}
 
 
 def count_rotary_nodes(model: onnx.ModelProto) -> int:

@@ -76,7 +76,9 @@ def _translations() -> dict:
         return kv.TensorScatter(buffer, update, start, axis=2)
 
     def attention(query, key, value, mask, valid, scale=1.0):
-        return kv.Attention(query, key, value, mask, valid, scale=float(scale))
+        # softmax_precision 1 (float32): transformers' softmax (and buffer_attention's) runs in float32 in a
+        # half-precision model; without it ONNX Attention computes the softmax in the query's type
+        return kv.Attention(query, key, value, mask, valid, scale=float(scale), softmax_precision=1)
 
     return {torch.ops.rope_export_kv.scatter.default: scatter, torch.ops.rope_export_kv.attention.default: attention}
 
@@ -101,7 +103,8 @@ def _register_schemas() -> None:
                                                         "tensor(int64)"], "any")],
                                attributes=[defs.OpSchema.Attribute(name, defs.OpSchema.AttrType.FLOAT if name ==
                                                                    "scale" else defs.OpSchema.AttrType.INT, "")
-                                           for name in (("axis",) if op == "TensorScatter" else ("scale",))])
+                                           for name in (("axis",) if op == "TensorScatter" else
+                                                        ("scale", "softmax_precision"))])
         schema.set_type_and_shape_inference_function(infer)
         defs.register_schema(schema)
 

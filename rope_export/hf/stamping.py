@@ -20,18 +20,22 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from rope_export.detect import rotary_nodes
+from rope_export.exporting import precision
 from rope_export.exporting.stamping import (
     MIN_LAYERS,
     NotStampable,
     StampedLayer,
     cut_layers,
     group_layers,
+    stamp,
     templates_of,
     traced_count,
+    weights_kept_apart,
 )
 from rope_export.hf.cache_io import CausalLMWithCache, cache_layout, hf_example_inputs, hf_io_names
 from rope_export.hf.families import text_config
-from rope_export.hf.hooking import model_state_kept
+from rope_export.hf.hooking import model_state_kept, rotary_hooked
 from rope_export.hf.layer_proof import (
     Case,
     LayerMismatch,
@@ -40,6 +44,14 @@ from rope_export.hf.layer_proof import (
     numpy_of,
     prove_layers,
     run_stopped,
+)
+from rope_export.hf.tracing import (
+    TraceSettings,
+    buffer_attention,
+    buffer_translations,
+    fuse_unreached,
+    trace_onnx,
+    traceable,
 )
 
 
@@ -242,3 +254,63 @@ def _filled(buffer: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     out = buffer.clone()
     out[:, :, : present.shape[2]] = present
     return out
+
+
+def traced_per_kind(model, fam, functions, census, layout, names: tuple[list[str], list[str]],
+                    example: tuple[int, int, int], settings: TraceSettings, notes: list[str]):
+    """(program, hook, what ran): the model cut to its leading decoder layers (each kind at least once past
+    layer 0), traced, fused, stamped per layer (``names``: the whole file's input and output names); the rotary
+    nodes per layer must equal transformers' rotations per layer, and every stamped layer computes what its own
+    does. NotStampable says why not."""
+    import warnings
+
+    from rope_export.detect import compare_with_file
+
+    input_names, output_names = names
+    seed, fallback, say = settings.seed, settings.fallback, settings.say
+    attention_mask, kv_buffer = settings.attention_mask, settings.kv_buffer
+    kinds = layer_kinds(model, layout)
+    n, traced = len(kinds), traced_count(kinds)
+    batch, seq, past = example
+    hook_ctx = rotary_hooked(model, family=fam, functions=functions) if functions else contextlib.nullcontext()
+    say(f"exporting {type(model).__name__} cut to {traced} of its {n} decoder layers with torch.export "
+        f"({len(set(kinds))} kind(s) of layer)")
+    try:
+        with model_state_kept(model), reduced(model, traced) as layers_name, hook_ctx as hook, \
+                weights_kept_apart(layers_name), buffer_attention(model, kv_buffer):
+            small = cache_layout(model)
+            inputs = hf_example_inputs(model, batch=batch, seq=seq, past=past, seed=seed,
+                                       position_rank=fam.position_rank, layout=small,
+                                       attention_mask=attention_mask or kv_buffer)
+            module, inputs, shapes, names_in, names_out, _ = traceable(model, None, inputs, small, fam.position_rank,
+                                                                       seed, attention_mask, kv_buffer)
+            program = trace_onnx(module, inputs, shapes, names_in, names_out, settings.opset, settings.verbose, say,
+                                 extra=buffer_translations(kv_buffer))
+            prefix = next(name for name, m in module.named_modules() if m is model) + "."
+    except Exception as exc:  # noqa: BLE001 - whatever fails on two layers is left to the full trace to report
+        raise NotStampable(f"the {traced}-layer trace failed ({type(exc).__name__})") from exc
+    want = census.by_layer(census.plain)
+    if fallback != "plain" and (hook is None or len(rotary_nodes(program.model)) <
+                                sum(c for layer, c in want.items() if layer is None or layer < traced)):
+        fuse_unreached(program, notes, hooked=hook is not None)
+    precision.state_norm_precision(program.model)  # before stamping, which copies them (exporting.precision)
+    say(f"stamping the traced layers {n - traced} times with each layer's weights and cache")
+    stamped = stamp(program.model, model, layers_name=layers_name, onnx_prefix=prefix, kinds=kinds,
+                    input_names=input_names, output_names=output_names)
+    added = sum(len(layer.nodes) for layer in stamped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            report = compare_with_file(census, program.model, allow_decomposed=True)
+        except Exception as exc:  # noqa: BLE001 - more nodes than rotations
+            raise NotStampable(f"the stamped file's rotary nodes disagree with transformers ({exc})") from exc
+    if not report.layers or any(w != h for w, h in report.layers.values()):
+        raise NotStampable("the stamped file's rotary nodes per layer differ from transformers' rotations per layer")
+    try:
+        proof = prove_decoder_layers(program.model, model, layout, stamped, kinds, position_rank=fam.position_rank,
+                                     attention_mask=attention_mask, kv_buffer=kv_buffer, seed=seed, example=example,
+                                     progress=say)
+    except LayerMismatch as exc:
+        raise NotStampable(str(exc)) from exc
+    return program, hook, (f"per-kind: {traced} of {n} decoder layers traced and counted ({len(set(kinds))} kind(s)), "
+                           f"{n - traced} stamped ({added} nodes); {proof.describe()}")

@@ -28,12 +28,13 @@ from rope_export.detect.functions import recorded_calls
 from rope_export.exporting.core import DTYPES, check_opset, graph_proto
 from rope_export.hf.counting import eager_rotations, refuse_no_rope
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.export import FALLBACKS, counted_and_written, traced_and_fused
+from rope_export.hf.export import FALLBACKS
 from rope_export.hf.families import HFFamily, family_of
 from rope_export.hf.hooking import model_state_kept, verified_functions
 from rope_export.hf.task_io import Component
 from rope_export.hf.task_patches import trace_patched
 from rope_export.hf.tasks import CAUSAL_LM, TASK_KIND, TASKS, Task
+from rope_export.hf.tracing import counted_and_written, traced_and_fused
 
 MANIFEST = "rope_export_components.json"  # in a folder of components: which files, and which output feeds which input
 

@@ -92,6 +92,8 @@ class Probe:
             for symbol, size in zip(self.symbols(value), inferred.get(value.name, ()), strict=False):
                 if symbol and symbol.isidentifier():
                     known.setdefault(symbol, size)
+        for symbol, size in self._reshaped_symbols(known).items():
+            known.setdefault(symbol, size)
         sizes = dict(known)
         resized: set[str] = set()
         for node in self.model.graph:
@@ -109,6 +111,27 @@ class Probe:
                         sizes[name] = size
                         resized.add(name)
         return Probe(self.model, sizes, tables=self.tables)
+
+    def _reshaped_symbols(self, known: dict[str, int]) -> dict[str, int]:
+        """Inner symbols sized by the target of a Reshape computed from the graph inputs' shapes alone: onnx's data
+        propagation has no Div, so a latent cut into patches (Lumina 2's ``view(B, C, H // p, p, W // p, p)``) leaves
+        its grid's symbols uninferred where no convolution sizes them."""
+        found: dict[str, int] = {}
+        for node in self.model.graph:
+            if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+                continue
+            symbols = self.symbols(node.outputs[0])
+            if not any(s and s.isidentifier() and s not in known and s not in found for s in symbols):
+                continue
+            try:
+                (target,) = self.run([node.inputs[1]], {})
+            except ProbeError:
+                continue
+            if len(target) == len(symbols) and (target > 0).all():
+                for symbol, size in zip(symbols, target.tolist(), strict=True):
+                    if symbol and symbol.isidentifier():
+                        found.setdefault(symbol, int(size))
+        return found
 
     def with_sizes(self, sizes: dict[str, int]) -> Probe:
         """Another assignment (only symbolic names are used then: no whole-model inference).

@@ -73,6 +73,25 @@ def test_pairs_compute_what_the_complex_code_computes(name):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # polar vs cos/sin: last-bit differences
 
 
+class _MaskedTable(torch.nn.Module):
+    """A complex table zeroed (or set to 1) where a mask says, as Lumina 2's caption table past its length."""
+
+    def forward(self, x, keep):
+        freqs = torch.polar(torch.ones(x.shape[0], 4), torch.arange(x.shape[0] * 4.0).view(-1, 4) / 3)
+        rotated = torch.view_as_complex(x.view(x.shape[0], -1, 2)) * torch.where(keep[:, None], freqs, 0)
+        return torch.view_as_real(rotated).flatten(-2), torch.view_as_real(torch.where(keep[:, None], 1.0, freqs))
+
+
+def test_a_complex_where_is_computed_on_the_pairs():
+    block, x, keep = _MaskedTable(), torch.randn(6, 8), torch.tensor([1, 1, 0, 1, 0, 0], dtype=torch.bool)
+    want = block(x, keep)
+    with complex_as_pairs(block):
+        got = block(x, keep)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert (want[0][2] == 0).all() and not (want[0][0] == 0).all()
+
+
 @pytest.mark.parametrize("name", _params(cb.COMPLEX_FORMS))
 def test_complex_spellings_export_one_node_per_rotated_tensor(name):
     result = exported(name)

@@ -27,8 +27,16 @@ from check_files import COMMON, FAMILIES, TARGETS, copy, hf_file, preset_file  #
 from rope_export.check import check  # noqa: E402
 from rope_export.check.inputs import InputPlan, stress_cases  # noqa: E402
 from rope_export.check.model_file import ModelFile  # noqa: E402
-from rope_export.check.pieces import StreamedRunner, plan_pieces, session_costs, topological_order  # noqa: E402
+from rope_export.check.pieces import (  # noqa: E402
+    Piece,
+    StreamedRunner,
+    constant_values,
+    plan_pieces,
+    session_costs,
+    topological_order,
+)
 from rope_export.check.runners import Limits, Skip, make_runner, ort_cpu_bytes  # noqa: E402
+from rope_export.exporting.precision import MARK  # noqa: E402
 
 BASIC = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # no fusion of several nodes into one kernel
 
@@ -140,12 +148,18 @@ def test_cuts_fall_between_layers_without_reading_names():
     pieces = plan_pieces(graph, session_bytes(graph) // 3 + 1)
     assert len(pieces) >= 3
     made_by = {out: node for node in graph.node for out in node.output}
-    last_norm = max(k for k, node in enumerate(graph.node) if node.op_type == "RMSNormalization")
+
+    def stated(node):  # a node of a norm written with its float32 statistics in the types (exporting.precision)
+        return any(p.key == MARK for p in node.metadata_props)
+
+    last_norm = max(k for k, node in enumerate(graph.node) if node.op_type == "RMSNormalization" or stated(node))
     for piece in pieces[1:]:
         first = graph.node[piece.nodes[0]]
-        if first.op_type != "RMSNormalization":  # the head alone, reading only the final norm's output
-            assert piece is pieces[-1] and piece.inputs == [graph.node[last_norm].output[0]]
-            assert made_by[first.input[0]] is graph.node[last_norm]
+        if first.op_type == "RMSNormalization" or (first.op_type == "Cast" and stated(first)):
+            continue  # a norm begins here: a decoder layer or the final norm
+        # the head alone, reading only the final norm's output
+        assert piece is pieces[-1] and piece.inputs == [graph.node[last_norm].output[0]]
+        assert made_by[first.input[0]] is graph.node[last_norm]
 
 
 # -- equal to one session ------------------------------------------------------------------------
@@ -236,11 +250,16 @@ def test_a_subgraph_reading_values_of_an_earlier_piece():
 
 # -- check uses it -------------------------------------------------------------------------------
 
-def test_check_runs_onnxruntime_in_pieces_when_one_session_would_not_fit(tmp_path):
+def external_llama(tmp_path):
+    """(path, ModelFile) of the tiny Llama saved with its weights in external data."""
     path = tmp_path / "llama.onnx"
     onnx.save_model(copy(hf_file("llama")), path, save_as_external_data=True, location="llama.onnx.data",
                     size_threshold=1024)
-    mf = ModelFile.open(path)
+    return path, ModelFile.open(path)
+
+
+def test_check_runs_onnxruntime_in_pieces_when_one_session_would_not_fit(tmp_path):
+    path, mf = external_llama(tmp_path)
     runner, note = make_runner("onnxruntime-cpu", mf, limits=Limits(memory=ort_cpu_bytes(mf) - 1))
     assert isinstance(runner, StreamedRunner) and "pieces, one session each" in note
     assert "more than the" in note and "--memory-limit" in note
@@ -267,6 +286,54 @@ def test_check_runs_onnxruntime_in_pieces_when_one_session_would_not_fit(tmp_pat
     assert "pieces" not in whole.reason
     for case, stats in whole.cases.items():
         assert [s.max_abs for s in stats] == [s.max_abs for s in ort_report.cases[case]]
+
+
+def test_check_runs_the_reference_runners_in_pieces_with_the_same_numbers(tmp_path):
+    """onnx.reference and the CPU twin hold a file about twice over (its ModelProto and the evaluator's arrays):
+    above --piece-limit/--memory-limit they run piece by piece, each piece's weights loaded alone, and compute what
+    the whole file in memory computes, to the bit."""
+    path, mf = external_llama(tmp_path)
+    runner, note = make_runner("onnx-reference", mf, limits=Limits(memory=ort_cpu_bytes(mf) - 1))
+    assert isinstance(runner, StreamedRunner) and "each piece's weights loaded alone" in note
+    names = ("onnx-reference", "cpu-twin")
+    pieces = check(path, names, piece_limit_gb=ort_cpu_bytes(mf) / 4 / 2**30, sweep=False)
+    whole = check(path, names, sweep=False)
+    assert pieces.passed and whole.passed, pieces.failure_message()
+    for in_pieces, at_once in zip(pieces.runners, whole.runners, strict=True):
+        assert "pieces" in in_pieces.reason and "pieces" not in at_once.reason
+        assert in_pieces.cases.keys() == at_once.cases.keys() and in_pieces.cases
+        for case, stats in at_once.cases.items():
+            assert [s.max_abs for s in stats] == [s.max_abs for s in in_pieces.cases[case]]
+
+
+def test_values_of_the_weights_alone_are_held_once_for_every_case():
+    """A Transpose of a weight (a tied embedding's, for the head) computed in one piece and read in a later one is
+    the same in every case: held once, not once per case; what depends on the inputs is each case's own."""
+    rng = np.random.default_rng(0)
+    w = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"w{i}") for i in range(2)]
+    nodes = [helper.make_node("Transpose", ["w1"], ["w1_t"]),
+             helper.make_node("Shape", ["w0"], ["w0_shape"]),
+             helper.make_node("MatMul", ["x", "w0"], ["a"]),
+             helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("MatMul", ["b", "w1_t"], ["y"])]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8]),
+                               helper.make_tensor_value_info("w0_shape", TensorProto.INT64, [2])], initializer=w)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    sizes = dict(weight_bytes=0, session_bytes=0)
+    pieces = [Piece(nodes=[0, 1, 2], inputs=["x"], outputs=["w1_t", "w0_shape", "a"], initializers=["w0", "w1"],
+                    **sizes),
+              Piece(nodes=[3, 4], inputs=["a", "w1_t"], outputs=["y"], initializers=[], **sizes)]
+    assert constant_values(graph, pieces) == {"w1_t", "w0_shape"}
+    xs = [rng.standard_normal((2, 8)).astype(np.float32) for _ in range(3)]
+    cases = [type("Case", (), {"feeds": {"x": x}})() for x in xs]
+    runner = StreamedRunner(model, None, pieces, ort_session(), "onnxruntime-cpu")
+    outputs, _ = runner.run_cases(cases)
+    for x, out in zip(xs, outputs, strict=True):
+        assert np.allclose(out["y"], np.maximum(x @ numpy_helper.to_array(w[0]), 0) @ numpy_helper.to_array(w[1]).T,
+                           atol=1e-5)
+    # between the pieces: the transposed weight once and each case's own activation
+    assert runner.kept_bytes == 8 * 8 * 4 + 2 * 8 + 3 * 2 * 8 * 4
 
 
 def test_the_plan_refuses_a_cycle():

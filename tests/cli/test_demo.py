@@ -65,6 +65,7 @@ def _deploy(args: list[str], timeout: int) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # 5 checks against transformers in their own processes: minutes; the preset run keeps the script
 def test_deployment_script_takes_a_transformers_model_folder(tmp_path):
     """--hf: a tiny random-weight Llama written by save_pretrained (offline), exported with its weights,
     every artefact checked against transformers, then the Triton repository."""

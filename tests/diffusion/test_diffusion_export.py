@@ -36,12 +36,9 @@ from rope_export.runtimes.contract_runners import CpuTwinRunner  # noqa: E402
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 QUICK = ("FluxTransformer2DModel",)
-# families whose export does not pass, with why (docs/diffusers.md)
-NOT_YET = {
-    "Lumina2Transformer2DModel": "diffusers' Lumina 2 forward reads the caption lengths as Python ints "
-                                 "(attention_mask.sum(dim=1).tolist()) and hashes them (len(set(seq_lengths))): "
-                                 "torch.export cannot trace that",
-}
+# families whose export does not pass, with why (docs/diffusers.md); none today (Lumina 2 is traced through
+# rope_export.diffusion.trace_patches since diffusers' own forward cannot be)
+NOT_YET: dict[str, str] = {}
 
 
 @functools.cache

@@ -46,6 +46,30 @@ def test_run_cuts_at_feeds_and_resolves_shapes_of_unfed_inputs():
         probe.run([y_value], {})
 
 
+def test_unified_sizes_a_patch_grid_from_the_reshape_that_cuts_it():
+    """x [B, C, 2*h, 2*w] viewed as [B, C, H // 2, 2, W // 2, 2]: torch.export names the grid's axes with symbols of its
+    own (s41, s62) and onnx's data propagation has no Div, so only the Reshape's target sizes them; sized alone they
+    would not equal H // 2 and W // 2."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, "2*height_2", "2*width_2"])
+    ints = {name: helper.make_tensor(name, TensorProto.INT64, [len(v)], v)
+            for name, v in (("two", [2]), ("c4", [4]), ("axes2", [2]), ("axes3", [3]), ("zero", [0]),
+                            ("one", [1]), ("three", [3]), ("four", [4]))}
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Slice", ["shape", "zero", "one"], ["b"]),
+             helper.make_node("Slice", ["shape", "axes2", "three"], ["h"]),
+             helper.make_node("Slice", ["shape", "axes3", "four"], ["w"]),
+             helper.make_node("Div", ["h", "two"], ["h2"]), helper.make_node("Div", ["w", "two"], ["w2"]),
+             helper.make_node("Concat", ["b", "c4", "h2", "two", "w2", "two"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["patches"])]
+    out = helper.make_tensor_value_info("patches", TensorProto.FLOAT, ["batch", 4, "s62", 2, "s41", 2])
+    model = _model(nodes, [x], [out], ints.values())
+    probe = Probe(model)
+    probe.shape(model.graph.inputs[0])
+    height, width = probe.size(ir.SymbolicDim("2*height_2")), probe.size(ir.SymbolicDim("2*width_2"))
+    unified = probe.unified()
+    assert (unified.sizes["s62"], unified.sizes["s41"]) == (height // 2, width // 2)
+
+
 def _moved(perm, sign):
     return np.tile((np.asarray(perm) + 1) * np.asarray(sign), (3, 1)).astype(np.float64)
 

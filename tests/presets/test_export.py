@@ -210,7 +210,7 @@ def test_cli_checks_the_output_folder_before_building_a_transformers_model(tmp_p
         raise AssertionError("the model was built before the output folder was checked")
 
     monkeypatch.setattr(hf, "build_hf_model", never)
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
     assert cli.main(["export", "--hf", str(tmp_path), "-o", str(tmp_path / "config.json" / "x.onnx")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
 

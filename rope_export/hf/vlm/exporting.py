@@ -34,6 +34,7 @@ import torch
 from rope_export import __version__
 from rope_export.detect import rotary_nodes
 from rope_export.detect.functions import recorded_calls
+from rope_export.exporting import precision
 from rope_export.exporting.core import (
     DTYPES,
     METADATA_PREFIX,
@@ -44,10 +45,10 @@ from rope_export.exporting.core import (
 from rope_export.hf.cache_io import CacheLayout, cache_layout, check_sliding_layers
 from rope_export.hf.counting import count_and_compare, eager_rotations
 from rope_export.hf.errors import HFExportError
-from rope_export.hf.export import _export, _export_failure, _fuse
 from rope_export.hf.families import family_of, text_config
 from rope_export.hf.hooking import detect, model_state_kept, rotary_hooked
 from rope_export.hf.metadata import hf_metadata
+from rope_export.hf.tracing import export_failure, fuse_unreached, trace_onnx
 from rope_export.hf.vlm.components import (
     COMPONENTS,
     DecoderWithCache,
@@ -197,15 +198,16 @@ def export_component(model, name: str, module, inputs: tuple, shapes, names: tup
     hook_ctx = rotary_hooked(model, functions=functions) if functions else contextlib.nullcontext()
     try:
         with model_state_kept(model), placeholder_checks_off(), hook_ctx as hook:
-            program = _export(module, inputs, shapes, *names, opset, verbose, say)
+            program = trace_onnx(module, inputs, shapes, *names, opset, verbose, say)
     except HFExportError:
         raise
     except Exception as exc:  # torch.export / onnxscript errors: name the model and the op
-        raise _export_failure(model, exc, CacheLayout((), 0)) from exc
+        raise export_failure(model, exc, CacheLayout((), 0)) from exc
     _drop_noop_squeezes(program.model)
     if census.plain and len(rotary_nodes(program.model)) < len(census.plain):
-        _fuse(program, notes, hooked=hook is not None)
+        fuse_unreached(program, notes, hooked=hook is not None)
         notes[-1] = notes[-1].replace("no rotary function verified", "rotations not hooked")
+    precision.state_norm_precision(program.model)  # float32 norm statistics in the types (exporting.precision)
     proto = graph_proto(program)
     report = count_and_compare(census, proto, allow_decomposed=allow_decomposed, notes=notes)
     how = hook.description if hook is not None else ("fused by rope_export.passes.fuse" if census.plain else
