@@ -119,3 +119,29 @@ def test_export_hf_on_an_untested_transformers_warns_in_one_line_and_its_error_s
     assert error.startswith("rope-export export: error: gpt2 performs no rotary position embedding")
     assert error.endswith(f"({versions.untested_note('99.1.0')})")
     assert not (tmp_path / "gpt2.onnx").exists()
+
+
+def _torch_table() -> dict[str, int]:
+    """docs/versions.md's torch table: release -> failed tests."""
+    text = (ROOT / "docs" / "versions.md").read_text()
+    table = text.split("<!-- torch-table: begin -->")[1].split("<!-- torch-table: end -->")[0]
+    header, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+                     if line.startswith("|") and not line.startswith("|---")]
+    failed = header.index("failed")
+    return {row[0]: int(row[failed]) for row in rows}
+
+
+def test_the_torch_range_is_the_releases_that_passed():
+    """pyproject.toml's torch range holds every release of docs/versions.md's torch table that passed, and no
+    later minor release (untested); a release that failed is outside it."""
+    from packaging.specifiers import SpecifierSet
+
+    results = _torch_table()
+    assert {"2.13.0", "2.14.1", "2.15.0"} <= set(results), results
+    declared = SpecifierSet(re.search(r'"torch([<>=!~][^"]*)"', (ROOT / "pyproject.toml").read_text()).group(1))
+    passed = [Version(v) for v, failed in results.items() if failed == 0]
+    assert passed and all(v in declared for v in passed), (declared, results)
+    assert all(Version(v) not in declared for v, failed in results.items() if failed), (declared, results)
+    newest = max(passed)
+    assert Version(f"{newest.major}.{newest.minor + 1}.0") not in declared, declared
+    assert lock_tool.read_pins(LOCK)["torch"].split("+")[0] in results  # the lock's torch is in the table

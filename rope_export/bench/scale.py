@@ -59,7 +59,7 @@ from rope_export.bench.scale_peers import (
 from rope_export.bench.scale_ratios import RSS_GOAL, TIME_GOAL, goals, ratios  # noqa: F401 - the section's API
 from rope_export.check.runners import PIECE_LIMIT
 from rope_export.common.bounds import format_bytes
-from rope_export.files.onnx_files import data_path
+from rope_export.files.onnx_files import data_files
 
 TARGETS = ("trt-plugin", "onnx", "ort", "decomposed")
 CHECK_FULL = "check full trace"  # rope-export check of the --trace full file
@@ -314,8 +314,9 @@ def _exports(source: Path, work: Path, dtype: str, full_trace: bool, package: bo
 
 def _copy_step(step, steps: list, model: Path, work: Path) -> None:
     copied = work / "copy.data"
-    if data_path(model).is_file():
-        step(COPY, copy_command(data_path(model), copied), [copied])
+    data = [d for d in data_files(model) if d.is_file()]
+    if data:
+        step(COPY, copy_command(data[0], copied), [copied])
         copied.unlink(missing_ok=True)
     else:
         steps.append({"step": COPY, "skipped": "the weights are inside the .onnx (32 MB or less)"})
@@ -387,11 +388,9 @@ def check_note(report_json: Path) -> str:
 
 
 def _remove(path: Path) -> None:
-    from rope_export.files.onnx_files import data_path
+    from rope_export.files.onnx_files import remove
 
-    data = data_path(path)
-    shutil.rmtree(data, ignore_errors=True) if data.is_dir() else data.unlink(missing_ok=True)
-    path.unlink(missing_ok=True)
+    remove(path)
 
 
 def run_section(sizes: tuple[str, ...], work: Path, *, dtype: str = "fp16", reps: int = 1, keep: bool = False,

@@ -194,6 +194,7 @@ def rotary_slices(mf: ModelFile) -> tuple[list[RotarySlice], list[str]]:
     groups: dict[tuple, list] = {}
     for rn in rotary_nodes(mf.proto.graph):
         x = mf.value_type(rn.x)
+        _check_types(rn, x, mf.value_type(rn.cos))
         rotary_dim, width = rotary_width(rn, x)
         if x is None or x.dims is None or width is None:
             notes.append(f"{rn.label}: X has no static head size in the file, so the node cannot be run alone")
@@ -225,6 +226,23 @@ def rotary_slices(mf: ModelFile) -> tuple[list[RotarySlice], list[str]]:
         width, rn, x, nodes, inits, inputs, rotary_dim = min(members, key=lambda m: m[0])
         slices.append(_build_slice(mf, [m[1] for m in members], rn, x, nodes, inits, inputs, rotary_dim))
     return slices, notes
+
+
+def _check_types(rn: RotaryNode, x: TensorSpec | None, cos: TensorSpec | None) -> None:
+    """Refuse a rotary node whose X and caches break the op contract's types (float64 caches): no runner has a
+    kernel for it, so there is nothing to compare (op.contract.check_dtypes, the contract's own rule)."""
+    from rope_export.check.model_file import CheckError
+    from rope_export.op.contract import check_dtypes
+
+    if x is None or cos is None:
+        return
+    names = [helper.tensor_dtype_to_np_dtype(t).name for t in (x.elem_type, cos.elem_type)]
+    try:
+        check_dtypes(*names, None)
+    except ValueError as exc:
+        raise CheckError(f"{rn.label}: {exc}; no runner has a kernel for these types, so this file cannot be "
+                         "checked: store X as float32, float16 or bfloat16 and the caches as float32 or in X's type "
+                         "(re-export the file)") from None
 
 
 def _build_slice(mf, members, rn, x, nodes, inits, inputs, rotary_dim) -> RotarySlice:

@@ -18,6 +18,7 @@ from rope_export.check.compare import OutputStats, PositionErrors, bucket_label
 from rope_export.check.layer_errors import LayerErrors
 from rope_export.check.layer_faults import LayerFault, fault_dict
 from rope_export.check.layer_report import layer_lines, plot_error_vs_layer, summary_line
+from rope_export.common.bounds import format_bytes
 from rope_export.common.fileio import atomic_write_text
 from rope_export.common.plotting import pyplot_or_none, save_png
 from rope_export.op.tolerances import AgainstPyTorch, Tolerance
@@ -99,6 +100,39 @@ class CheckReport:
         return "\n".join(lines)
 
 
+def verdict_line(report: CheckReport) -> str:
+    """The one line that ends ``check``'s output: PASS or FAIL, how many runners agree with what, what was skipped
+    and why (the first clause of each reason), for a person and a script alike."""
+    compared, skipped = report.compared, [r for r in report.runners if r.status == "skipped"]
+    passing = [r for r in compared if r.status == "pass"]
+    with_what = report.against + ("" if report.independent else " (compared with each other, not with PyTorch)")
+    why = "; ".join(f"{r.runner}: {_first_clause(r.reason)}" for r in skipped)
+    tail = f" ({len(skipped)} skipped: {why})" if skipped else ""
+    if report.passed:
+        runners = f"{len(passing)} runner{'s agree' if len(passing) != 1 else ' agrees'}"
+        rows = f", every stored cos/sin row matches {_tables_against(report)}" if report.tables else ""
+        return f"PASS: {runners} with {with_what}{rows}{tail}"
+    problems = [f"{r.runner} disagrees with {with_what}" for r in compared if r.status == "FAIL"]
+    bad_tables = [t for t in report.tables if not t.passed]
+    if bad_tables:
+        problems.append(f"{len(bad_tables)} stored cos/sin table{'s' if len(bad_tables) != 1 else ''} off "
+                        f"{_tables_against(report)}")
+    if not compared:
+        problems.append("no runner could run this file")
+    agree = f"; {len(passing)} of {len(compared)} runners agree" if compared else ""
+    return f"FAIL: {', '.join(problems)}{agree}{tail}"
+
+
+def _first_clause(reason: str) -> str:
+    text = reason.split("; ")[0].split(" (")[0].strip().rstrip(".")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _tables_against(report: CheckReport) -> str:
+    sources = {t.against for t in report.tables}
+    return sources.pop() if len(sources) == 1 else "the RoPE configuration or a fitted rotation table"
+
+
 # -- JSON and Markdown -------------------------------------------------------------------------
 
 def _sweep_dict(sweep: SweepResult | None) -> dict | None:
@@ -152,7 +186,8 @@ def _cell(value, fmt="{:.3g}") -> str:
     return "" if value is None else fmt.format(value)
 
 
-def report_markdown(report: CheckReport) -> str:
+def report_markdown(report: CheckReport, steps=None) -> str:
+    """check.md; ``steps``: the command's StepLog, whose time and peak RSS per step close the page."""
     comparison = ("against " + report.reference if report.independent else
                   f"**the runners compared with each other, not with PyTorch**: {report.reference}")
     rule = (f"pass rule: {report.rule.describe()}" if report.rule is not None else
@@ -203,6 +238,11 @@ def report_markdown(report: CheckReport) -> str:
                 lines.append(f"- **{runner}**: " + ", ".join(f"{b['label']}: {b['max_abs']:.2g}" for b in buckets))
     if report.notes:
         lines += ["", "## Notes", "", *(f"- {n}" for n in report.notes)]
+    if steps is not None and steps.steps:
+        lines += ["", "## Time and peak RSS per step", "", "| step | time | peak RSS |", "|---|---|---|",
+                  *(f"| {st.name} | {st.seconds:.1f} s | {format_bytes(st.peak_rss)} |" for st in steps.steps),
+                  f"| total | {steps.seconds:.1f} s | {format_bytes(steps.peak_rss)} |"]
+    lines += ["", verdict_line(report)]
     return "\n".join(lines) + "\n"
 
 
@@ -292,12 +332,14 @@ def plot_error_vs_position(report: CheckReport, path: str | os.PathLike) -> bool
     return True
 
 
-def write_reports(report: CheckReport, directory: str | os.PathLike) -> list[Path]:
+def write_reports(report: CheckReport, directory: str | os.PathLike, steps=None) -> list[Path]:
+    """check.json, check.md (with ``steps``' time and peak RSS per step) and the plots, in ``directory``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = [directory / "check.json", directory / "check.md"]
-    atomic_write_text(written[0], json.dumps(report_dict(report), indent=2) + "\n")
-    atomic_write_text(written[1], report_markdown(report))
+    atomic_write_text(written[0], json.dumps({**report_dict(report), "verdict": verdict_line(report)}, indent=2)
+                      + "\n")
+    atomic_write_text(written[1], report_markdown(report, steps))
     if plot_error_vs_position(report, directory / "error_vs_position.png"):
         written.append(directory / "error_vs_position.png")
     if plot_error_vs_layer(report, directory / "error_vs_layer.png"):

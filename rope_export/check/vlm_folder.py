@@ -165,3 +165,24 @@ def print_folder_report(report: VLMCheckReport, console) -> None:
                   f"{report.pipeline.tokens} (transformers {report.pipeline.reference_tokens})")
     verdicts = ", ".join(f"{name} {'PASS' if r.passed else 'FAIL'}" for name, r in report.components.items())
     console.print(f"{verdicts}, pipeline {report.pipeline.status.upper()}")
+
+
+def folder_verdict_line(report: VLMCheckReport) -> str:
+    """The one line that ends ``check OUT_DIR/``: each component's verdict (``check.report.verdict_line`` without its
+    PASS/FAIL) and the pipeline's; on FAIL only what failed, and how many components pass."""
+    from rope_export.check.report import verdict_line
+
+    def body(component) -> str:
+        return verdict_line(component).split(": ", 1)[1]
+
+    pipeline = report.pipeline
+    if report.passed:
+        parts = [f"{name}: {body(r)}" for name, r in report.components.items()]
+        parts.append(f"pipeline: logits match transformers' at the {', '.join(pipeline.errors)}")
+        return "PASS: " + "; ".join(parts)
+    failing = [(name, r) for name, r in report.components.items() if not r.passed]
+    parts = [f"{name}: {body(r)}" for name, r in failing]
+    if pipeline.status != "pass":
+        parts.append(f"pipeline {pipeline.status}: {pipeline.reason}")
+    passing = len(report.components) - len(failing)
+    return f"FAIL: {'; '.join(parts)}; {passing} of {len(report.components)} components pass"

@@ -223,7 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             if debug:
                 raise
+            from rope_export.common.bounds import allocation_failure
             from rope_export.exporting.torch_onnx import describe_failure
+
+            too_big = allocation_failure(exc)  # torch's allocator raises RuntimeError, not MemoryError
+            if too_big is not None:
+                print(f"{prefix}: error: {too_big}", file=sys.stderr)
+                return 2
 
             summary = describe_failure(exc)  # torch.onnx's page of text, as one line with the likely fix
             if summary is not None:

@@ -1,4 +1,7 @@
-"""The ``rope-export check`` command: exit 0 when every runner agrees, 1 naming what disagrees, 2 on bad input."""
+"""The ``rope-export check`` command: exit 0 when every runner agrees, 1 naming what disagrees, 2 on bad input.
+
+The output ends with one verdict line (``PASS: 3 runners agree with transformers (2 skipped: ...)`` or ``FAIL: ...``)
+after the tables; the time and peak RSS per step are printed with ``--verbose`` and written to check.md."""
 
 from __future__ import annotations
 
@@ -76,7 +79,7 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from rope_export.check.core import check
-    from rope_export.check.report import print_report, write_reports
+    from rope_export.check.report import print_report, verdict_line, write_reports
     from rope_export.common.steps import cli_steps
     from rope_export.common.tables import console as make_console
 
@@ -85,7 +88,8 @@ def _run(args) -> int:
     if Path(args.model).is_dir():  # a vision-language export: its components, then the pipeline
         return _run_folder(args, runners, console)
     module = _load_module(args.module) if args.module else {}
-    with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
+    verbose = getattr(args, "verbose", False)  # the time per step: with --verbose, else in check.md only
+    with cli_steps(console, "check: time and peak RSS per step", args.summary_json, table=verbose) as progress:
         report = check(args.model, runners, reference=args.reference, hf_config=args.hf, weights=args.weights,
                        seed=args.seed, random_weights=bool(args.random_weights), inputs=args.inputs, batch=args.batch,
                        seq=args.seq, past=args.past,
@@ -97,12 +101,13 @@ def _run(args) -> int:
             progress.facts["weights"] = report.weights
     print_report(report, console)
     if args.report:
-        for path in write_reports(report, args.report):
+        for path in write_reports(report, args.report, progress):
             console.print(f"wrote {path}")
-    if not report.passed:
-        print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
-        return 1
-    return 0
+    if not report.passed:  # what failed, on stderr (the report and its verdict are stdout's)
+        for line in report.failure_message().splitlines():
+            print(f"rope-export check: {line}", file=sys.stderr, flush=True)
+    console.print(verdict_line(report), markup=False, highlight=False, soft_wrap=True)  # the last line, always
+    return 0 if report.passed else 1
 
 
 def _load_module(spec: str) -> dict:
@@ -125,14 +130,15 @@ def _run_folder(args, runners, console) -> int:
     """``rope-export check OUT_DIR/``: exit 0 when every component and the pipeline pass, 1 otherwise."""
     from rope_export.check.model_file import CheckError
     from rope_export.check.report import write_reports
-    from rope_export.check.vlm_folder import check_folder, print_folder_report
+    from rope_export.check.vlm_folder import check_folder, folder_verdict_line, print_folder_report
     from rope_export.common.steps import cli_steps
 
     given = [name for name in FOLDER_OPTIONS if getattr(args, name, None) not in (None, False)]
     if given:
         raise CheckError(f"--{given[0].replace('_', '-')} is for one file; check a component file of the folder "
                          "with it")
-    with cli_steps(console, "check: time and peak RSS per step", args.summary_json) as progress:
+    verbose = getattr(args, "verbose", False)  # the time per step: with --verbose only
+    with cli_steps(console, "check: time and peak RSS per step", args.summary_json, table=verbose) as progress:
         report = check_folder(args.model, runners, weights=args.weights, seed=args.seed,
                               random_weights=args.random_weights, sweep=not args.no_sweep, plugin_library=args.plugin,
                               progress=progress)
@@ -141,7 +147,7 @@ def _run_folder(args, runners, console) -> int:
         for name, component in report.components.items():
             for path in write_reports(component, Path(args.report) / name):
                 console.print(f"wrote {path}")
-    if not report.passed:
-        print(f"rope-export check: FAIL: {report.failure_message()}", file=sys.stderr)
-        return 1
-    return 0
+    if not report.passed:  # what failed, on stderr (the report and its verdict are stdout's)
+        print(f"rope-export check: {report.failure_message()}", file=sys.stderr, flush=True)
+    console.print(folder_verdict_line(report), markup=False, highlight=False, soft_wrap=True)  # the last line
+    return 0 if report.passed else 1

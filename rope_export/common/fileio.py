@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -154,17 +155,19 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     parent = check_writable(path)
-    with signals_deferred():  # no interrupt between creating the temporary file and owning its cleanup
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-        tmp_path = Path(tmp)
+    tmp_path = None
     try:
+        with signals_deferred():  # a signal held here is raised inside the try: the file is removed
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+            tmp_path = Path(tmp)
         os.close(fd)
         _usual_mode(tmp_path)
         yield tmp_path
         os.replace(tmp_path, path)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
+        if tmp_path is not None:
+            with signals_deferred(), contextlib.suppress(FileNotFoundError):
+                tmp_path.unlink()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -178,18 +181,88 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 @contextlib.contextmanager
 def staging_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """A new hidden folder beside ``path`` (same file system, so moving out of it is a rename).
+    """A new hidden folder ``.<name>.XXXXXXXX.tmp`` beside ``path`` (same file system, so moving out of it is a
+    rename).
 
     Write the files that belong together in it, then ``commit_moves`` them into place. The folder
-    and whatever is still in it are removed when the block ends, also on error or interrupt.
+    and whatever is still in it are removed when the block ends, also on error or interrupt. While the
+    block runs the process holds a lock on the folder (``flock``, released by the kernel however the
+    process ends), so ``remove_abandoned`` tells the folder of a killed process from a live one's.
     """
     parent = check_writable(path)
-    with signals_deferred():  # no interrupt between creating the folder and owning its cleanup
-        stage = Path(tempfile.mkdtemp(prefix=f".{Path(path).name}.", suffix=".tmp", dir=parent))
+    stage = lock = None
     try:
+        with signals_deferred():  # a signal held here is raised inside the try: the folder is removed
+            stage, lock = _locked_folder(parent, f".{Path(path).name}.")
         yield stage
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        with signals_deferred():  # a signal during the cleanup would cut it short
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
+            if lock is not None:
+                os.close(lock)
+
+
+def _locked_folder(parent: Path, prefix: str) -> tuple[Path, int | None]:
+    """A new folder and an open descriptor of it holding its ``flock`` (None where the file system has no flock).
+    ``remove_abandoned`` may take a folder between its creation and its lock: then another is made."""
+    try:
+        import fcntl  # POSIX
+    except ImportError:  # no flock: nothing is ever taken as abandoned either
+        return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent)), None
+    for _ in range(100):
+        stage = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent))
+        try:
+            fd = os.open(stage, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(stage)):
+                return stage, fd
+        except (BlockingIOError, FileNotFoundError):  # being removed as abandoned
+            pass
+        except OSError:  # no flock here
+            os.close(fd)
+            return stage, None
+        os.close(fd)
+    raise OSError(f"cannot write beside {parent}: every new staging folder there was removed at once; is another "
+                  "process cleaning the folder?")
+
+
+def remove_abandoned(path: str | os.PathLike) -> list[str]:
+    """Remove the staging folders that earlier writes of ``path`` left behind when they were killed (SIGKILL, a
+    power cut: an interrupt or an error removes its own); returns their names. A folder is abandoned when no
+    process holds its lock (``staging_dir``)."""
+    try:
+        import fcntl  # POSIX
+    except ImportError:
+        return []
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    pattern = re.compile(re.escape(f".{path.name}.") + r"[A-Za-z0-9_]{8}\.tmp")
+    try:
+        candidates = [e.name for e in os.scandir(folder)
+                      if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+    removed = []
+    for name in candidates:
+        try:
+            fd = os.open(folder / name, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:  # gone meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live write's (or no flock here: then nothing can be told, nothing is removed)
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(folder / name, ignore_errors=True)
+            removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 _DEFERRED = (signal.SIGINT, signal.SIGTERM)

@@ -183,9 +183,10 @@ def file_sizes(paths: Iterable[Path]) -> list[tuple[Path, int]]:
 
 
 @contextlib.contextmanager
-def cli_steps(console, title: str, summary_json: str | os.PathLike | None = None) -> Iterator[StepLog]:
+def cli_steps(console, title: str, summary_json: str | os.PathLike | None = None,
+              table: bool = True) -> Iterator[StepLog]:
     """A StepLog on a rich console (status line + one log line per step); on success, the summary
-    table is printed and, with ``summary_json``, written as JSON."""
+    table is printed (``table``) and, with ``summary_json``, written as JSON."""
     if summary_json is not None:
         from rope_export.common.fileio import check_writable
 
@@ -199,6 +200,7 @@ def cli_steps(console, title: str, summary_json: str | os.PathLike | None = None
             yield log
         finally:
             log.finish()
-    console.print(log.table(title))
+    if table:
+        console.print(log.table(title))
     if summary_json is not None:
         log.write_json(summary_json)

@@ -5,7 +5,8 @@ Real models have weights far past protobuf's 2 GB limit, so:
 * ``load(path)`` returns an ``onnx_ir.Model`` whose external weights stay on disk
   (``ExternalTensor``: nothing is read until a tensor's bytes are asked for); errors name the file.
 * ``write(model, path, external=...)`` writes the model and its weights atomically. The weights
-  go to ``<name>.data`` beside the model, one file (``single``) or a folder with one file per
+  go to ``<name>.data`` beside the model (``<name>.2.data`` when the model it replaces reads
+  ``<name>.data``, see ``rope_export.files.commit``), one file (``single``) or a folder with one file per
   tensor (``per-tensor``); ``auto`` (the default) keeps them inside the ``.onnx`` up to
   ``AUTO_INLINE_MAX`` (32 MB: tiny and test models stay one file) and writes ``single`` above it;
   ``never`` keeps them inside up to protobuf's limit (``EXTERNAL_DATA_THRESHOLD``) and refuses a
@@ -19,7 +20,8 @@ Real models have weights far past protobuf's 2 GB limit, so:
   ``rope_export.files.direct``), so writing never holds a second copy of the weights. Everything is
   written into a
   staging folder beside the target, checked there (``check=True``: onnx.checker on the path),
-  then moved into place with the data before the model that names it; an error or interrupt
+  then moved into place so that a reader finds the old model and data or the new ones, never a mix,
+  whenever the process stops, SIGKILL included (``rope_export.files.commit``); an error or interrupt
   removes the staging folder and leaves existing files as they were.
 * ``check(path)``: onnx.checker's full check on the file (external data stays on disk).
 
@@ -40,9 +42,10 @@ import onnx
 import onnx_ir as ir
 
 from rope_export.common.bounds import format_bytes
-from rope_export.common.fileio import check_writable, commit_moves, staging_dir
+from rope_export.common.fileio import check_writable, staging_dir
 from rope_export.common.steps import detail, file_sizes
 from rope_export.files import EXTERNAL_DATA
+from rope_export.files.commit import SUFFIXES, commit, data_name, external_entries, named_files
 from rope_export.files.direct import open_stream
 from rope_export.files.tensor_stream import SequentialWriter
 
@@ -56,14 +59,28 @@ class OnnxFileError(ValueError):
 
 
 def output_files(path: str | os.PathLike) -> list[tuple[Path, int]]:
-    """The model file and, if there is one, its external data, with their sizes."""
-    return file_sizes([Path(path), data_path(path)])
+    """The model file and the external data it reads (files or folders beside it), with their sizes."""
+    return file_sizes([Path(path), *data_files(path)])
 
 
 def data_path(path: str | os.PathLike) -> Path:
-    """Where the external weights of ``path`` go: ``<name>.data`` beside it (a file or a folder)."""
+    """The usual name of the external weights of ``path``: ``<name>.data`` beside it (a file or a folder); a write
+    that replaces a model reading that name uses ``<name>.2.data`` (``rope_export.files.commit``)."""
     path = Path(path)
-    return path.with_name(path.name + ".data")
+    return path.with_name(path.name + SUFFIXES[0])
+
+
+def data_files(path: str | os.PathLike) -> list[Path]:
+    """The files and folders beside ``path`` that the model there reads its weights from (its proto is read)."""
+    path = Path(path)
+    return [path.parent / name for name in sorted(named_files(path))]
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Remove the model at ``path`` and the external data it reads."""
+    for data in data_files(path):
+        shutil.rmtree(data, ignore_errors=True) if data.is_dir() else data.unlink(missing_ok=True)
+    Path(path).unlink(missing_ok=True)
 
 
 def _initializers(model: ir.Model) -> Iterator[ir.Value]:
@@ -103,29 +120,11 @@ def load(path: str | os.PathLike) -> ir.Model:
     return model
 
 
-def _external_entries(proto: onnx.ModelProto) -> Iterator[tuple[str, dict[str, str]]]:
-    for tensor in _all_tensor_protos(proto.graph):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            yield tensor.name, {e.key: e.value for e in tensor.external_data}
-
-
-def _all_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR:
-                yield attr.t
-            elif attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_tensor_protos(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _all_tensor_protos(g)
-
-
 def _check_external_data(proto: onnx.ModelProto, path: Path) -> None:
     """Every external location exists inside the model's folder and is long enough (sizes only)."""
     sizes: dict[str, int] = {}
-    for name, entry in _external_entries(proto):
+    for tensor, entry in external_entries(proto):
+        name = tensor.name
         location = entry.get("location", "")
         target = (path.parent / location).resolve()
         if not location or os.path.isabs(location) or path.parent.resolve() not in (target, *target.parents):
@@ -188,7 +187,7 @@ def write(model: ir.Model | onnx.ModelProto, path: str | os.PathLike, *, externa
     check_writable(path)
     weights = weight_bytes(model)
     mode = resolve_external(external, weights)
-    data = data_path(path)
+    data = None if mode == "never" else path.with_name(data_name(path))  # the name the model there does not read
     say = progress or (lambda message: None)
     with staging_dir(path) as stage:
         _check_free_space(stage, weights, path)
@@ -205,16 +204,13 @@ def write(model: ir.Model | onnx.ModelProto, path: str | os.PathLike, *, externa
         if check:
             say(f"checking {path.name} (onnx.checker, full check, on the file)")
             check_file(stage / path.name)
-        moves = [(stage / path.name, path)]
-        if mode != "never":
-            moves.insert(0, (stage / data.name, data))  # the data lands before the model that names it
-        commit_moves(moves, trash=stage / ".replaced")
-    written = [path] + ([data] if mode != "never" else [])
+        commit(stage, path, data)  # a reader finds the old pair or the new one
+    written = [path] + ([data] if data is not None else [])
     return Written(path, mode, file_sizes(written), weights)
 
 
 def _has_external(proto: onnx.ModelProto) -> bool:
-    return any(True for _ in _external_entries(proto))
+    return any(True for _ in external_entries(proto))
 
 
 def _check_free_space(folder: Path, weights: int, path: Path) -> None:

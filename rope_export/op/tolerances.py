@@ -22,6 +22,10 @@ of RMS 1.3, max 7.4) differ by up to 2.1e-2 on a 128-token sequence, while trans
 fp16 differs from its own fp32 run by 2.4e-2 there: inside 1.3 x sqrt(3) x 1e-2, outside
 sqrt(3) x 1e-2.
 
+float64 (the cos/sin tables of a file of plain ops that stores them so; the rotary op itself takes no
+float64) is held to float32's tolerances: a value stored wider is at least as exact as the float32 the
+contract computes in.
+
 A value passes when ``|a - b| <= atol + rtol * |b|`` (numpy.allclose's rule).
 
 The sqrt(L) rule is a guess about how rounding adds up. Where a higher-precision reference exists
@@ -68,11 +72,13 @@ class Tolerance:
 TOLERANCES: dict[str, dict[str, Tolerance]] = {
     "op": {
         "float32": Tolerance(atol=1e-5, rtol=1e-5),
+        "float64": Tolerance(atol=1e-5, rtol=1e-5),
         "float16": Tolerance(atol=2e-3, rtol=2e-3),
         "bfloat16": Tolerance(atol=1.6e-2, rtol=1.6e-2),
     },
     "block": {
         "float32": Tolerance(atol=1e-4, rtol=1e-4),
+        "float64": Tolerance(atol=1e-4, rtol=1e-4),
         "float16": Tolerance(atol=1e-2, rtol=1e-2),
         "bfloat16": Tolerance(atol=6e-2, rtol=6e-2),
     },

@@ -18,6 +18,7 @@ cos and sin operands, and the value the fused node would replace. Then:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ MOVERS = {"Slice", "Gather", "Split", "Squeeze", "Unsqueeze", "Reshape", "Transp
           "Flatten", "Concat"}
 CHAIN = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze"}  # keep the element order
 MAX_VISITS = 200
+MAX_PROBE_ELEMENTS = 1 << 26  # a site is run on tensors of at most this many elements (256 MB of float32)
 
 
 class SkipSite(Exception):
@@ -177,6 +179,16 @@ def concrete_shape(probe: Probe, value: ir.Value, what: str) -> tuple[int, ...]:
     shape = probe.shape(value)
     if shape is None:
         raise SkipSite(f"the shape of {what} is not known (run shape inference)")
+    return bounded(shape, what)
+
+
+def bounded(shape: tuple[int, ...], what: str) -> tuple[int, ...]:
+    """``shape``, unless a tensor of it is too large to run the site on (static sizes are the file's own: a
+    decomposed copy of onnxruntime's overflow test has 2**32 elements)."""
+    size = math.prod(shape)
+    if size > MAX_PROBE_ELEMENTS:
+        raise SkipSite(f"{what} is {list(shape)} at the file's static sizes ({size:,} elements), too large to run the "
+                       "site on to check it; fuse a file exported with dynamic batch and sequence axes")
     return shape
 
 
@@ -198,6 +210,10 @@ def random_feeds(probe: Probe, outputs: list[ir.Value], feeds: dict, rng: np.ran
 def _cos_sin_shapes(probe: Probe, c: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shapes cos and sin really have (evaluated: exporters' inferred dim names do not always
     agree with the inputs'), or as inferred when they cannot be evaluated on their own."""
+    for value, what in ((c.cos, "cos"), (c.sin, "sin")):
+        inferred = probe.shape(value)
+        if inferred is not None:
+            bounded(inferred, what)
     try:
         cos, sin = probe.run([c.cos, c.sin], random_feeds(probe, [c.cos, c.sin], {}, np.random.default_rng(0)))
         return cos.shape, sin.shape
@@ -243,7 +259,7 @@ def classify(probe: Probe, c: Candidate, partial: bool = False) -> tuple[Form, t
     Returns (form, cos's shape, the shape of cos's product with the channels, the rotated tensor's
     probe shape)."""
     cos_shape, sin_shape = _cos_sin_shapes(probe, c)
-    shape = source_shape(probe, c, cos_shape, partial)
+    shape = bounded(source_shape(probe, c, cos_shape, partial), "the rotated tensor")
     flat = (*shape[:-2], shape[-2] * shape[-1]) if c.flatten_source else shape
     codes = _codes(flat, _np_dtype(c.source))  # channel codes of the tensor in y's layout
     fed = codes.reshape(shape)

@@ -71,10 +71,11 @@ def lower(model, target: str, *, guard_positions: bool = True, log: LoweringLog 
     rule_class = TARGETS[target]
     ir_model = rule_class.prepare(ir_model)
     infer_shapes(ir_model)
-    # planned on the shapes the rule sees, so the small input fits the sizes it bakes into the graph
+    # planned on the shapes the rule sees: a small input within the node's static sizes (validation.plan)
     runs = []
     if validate:
-        runs = validation.plan(ir_model, _custom_nodes(ir_model), out_of_range=guard_positions or target in GUARDED)
+        runs = validation.plan(ir_model, _custom_nodes(ir_model), out_of_range=guard_positions or target in GUARDED,
+                               log=log)
     else:  # the caches' stored types and widths, always: no target can express a float64 or too-wide cache
         for node in _custom_nodes(ir_model):
             validation.check_node(node, magnitude=False)

@@ -10,7 +10,10 @@ Three checks, each cheap on a model of any size (the weights are never read):
   for the whole cache (1 for most schemes; YaRN and LongRoPE fold a magnitude factor into the
   caches, constant per file). A changed row is not cos/sin of an angle and is named;
 * the emitted nodes run once on a small input (the slice of the graph between each node's inputs
-  and its output, ``_probe``) and are compared with the op contract in NumPy (``rotary_numpy``,
+  and its output, ``_probe``): at most 2 sequences of 5 positions and, for a 4-D X whose node does
+  not count its heads, 2 heads (1 sequence and 1 head where heads are large), whatever the file's
+  static shape (a lowering bakes only head counts and head sizes into the graph, and those are
+  kept); they are compared with the op contract in NumPy (``rotary_numpy``,
   which tests hold equal to the PyTorch reference):
   onnxruntime for the ``onnx``/``ort``/``decomposed`` forms (the runtime they are written for; its
   failure is the file's failure), onnx.reference with a kernel for our node or the trt-plugin node
@@ -21,6 +24,7 @@ A problem raises ``PassError``: one line naming the node, the problem and the fi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +38,9 @@ from rope_export.passes._probe import Probe, ProbeError
 from rope_export.passes._values import FLOAT_TYPES, const_array, dim, dtype_name, dtype_of
 
 SEED = 20261126
-BATCH, SEQ = 2, 5  # the small input, where the graph leaves the sizes open
+BATCH, SEQ, HEADS = 2, 5, 2  # the small input's sizes at most (fewer where the node's own are smaller)
+FEW_ELEMENTS = 1 << 16  # past this many X elements, one sequence (and one head of a 4-D X) instead of two
+MAX_RUN_ELEMENTS = 1 << 22  # X elements of a small input: past this (a huge hidden size), the node is not run
 DEFAULT_ROWS = 16  # rows of a computed (non-constant) cache fed to the run
 MAX_CACHE_ELEMENTS = 1 << 26  # a constant cache larger than this is not read (not a RoPE cache)
 # cos² + sin² = m² within the caches' own rounding (as the fusion's verification allows)
@@ -185,12 +191,14 @@ def _rows(indices: np.ndarray) -> str:
     return shown + (f" and {len(indices) - 5} more" if len(indices) > 5 else "")
 
 
-def plan(model: ir.Model, nodes: list[ir.Node], *, out_of_range: bool) -> list[NodeRun]:
+def plan(model: ir.Model, nodes: list[ir.Node], *, out_of_range: bool, log: LoweringLog | None = None) \
+        -> list[NodeRun]:
     """Check every node statically and make its small input and expected output (nodes of the main
     graph; those in functions or subgraphs get the static checks only).
 
     ``out_of_range``: also feed positions outside the cache (the contract passes those tokens
-    through); False for files lowered with --trust-positions, whose op must not see them."""
+    through); False for files lowered with --trust-positions, whose op must not see them. ``log``: told of
+    a node whose small input is still too large to run (a 3-D X of a huge hidden size)."""
     rng = np.random.default_rng(SEED)
     shared: dict[str, np.ndarray] = {}  # caches and positions, fed once for the nodes that share them
     memo: dict = {}
@@ -198,7 +206,12 @@ def plan(model: ir.Model, nodes: list[ir.Node], *, out_of_range: bool) -> list[N
     for node in nodes:
         attrs, cache_type, cache_shape = check_node(node, memo)
         if node.graph is model.graph:
-            runs.append(_node_run(node, attrs, cache_type, cache_shape, rng, shared, out_of_range, memo))
+            run_ = _node_run(node, attrs, cache_type, cache_shape, rng, shared, out_of_range, memo)
+            if run_ is not None:
+                runs.append(run_)
+            elif log is not None:
+                log.note(f"node {label_of(node)} not run once on a small input: even at one or two sequences of a "
+                         f"few positions its X has more than {MAX_RUN_ELEMENTS:,} elements (checked statically only)")
     return runs
 
 
@@ -290,47 +303,61 @@ def _trt_plugin_ops() -> list[type]:
     return [type(op_type, (OpRun,), {"op_domain": TRT_PLUGIN_DOMAIN, "_run": _run}) for op_type in PLUGIN_OP_TYPES]
 
 
-def _node_run(node, attrs: RotaryAttrs, cache_type, cache_shape, rng, shared, out_of_range, memo) -> NodeRun:
+def _small(size: int | None, cap: int) -> int:
+    """A size of the small input: the node's own where static and small, else ``cap`` (0, an empty batch, gets
+    ``cap`` too: an empty run would prove nothing)."""
+    return min(size, cap) if size else cap
+
+
+def _x_shape(x: ir.Value, attrs: RotaryAttrs, pos, cache_shape, width) -> tuple[int, ...]:
+    """The small X: one or two sequences, a few positions, two heads of a 4-D X whose node does not name its head
+    count, X's own head size (hidden size of a 3-D X: num_heads x head size, both fixed by the node). Never the
+    file's full shape: onnxruntime's own RejectsHiddenSizeOverflow test has a static 2 x 32768 x 1 x 65536 X."""
+    rank = x.shape.rank()
+    seq_axis = 2 if rank == 4 else 1
+    per_token = pos is None and cache_shape  # [B, S, rd/2] caches: their B and S are X's
+    batch = _small(dim(x, 0) or (per_token and cache_shape[0]) or dim(pos, 0), BATCH)
+    seq = _small(dim(x, seq_axis) or (per_token and cache_shape[1]) or dim(pos, 1), SEQ)
+    rd = attrs.rotary_embedding_dim or None
+    if rank == 4:
+        head_dim = dim(x, 3) or rd or 2 * (width or 4)
+        heads = attrs.num_heads or _small(dim(x, 1), HEADS)  # heads are independent, unless the node counts them
+        if batch * heads * seq * head_dim > FEW_ELEMENTS and not attrs.num_heads:  # large heads: one of them
+            heads = 1
+        return (1 if batch * heads * seq * head_dim > FEW_ELEMENTS else batch), heads, seq, head_dim
+    hidden = dim(x, 2)
+    hidden = attrs.num_heads * (hidden // attrs.num_heads if hidden else (rd or 2 * (width or 4)))
+    return (1 if batch * seq * hidden > FEW_ELEMENTS else batch), seq, hidden
+
+
+def _node_run(node, attrs: RotaryAttrs, cache_type, cache_shape, rng, shared, out_of_range, memo) -> NodeRun | None:
     x, cos, sin = list(node.inputs)[:3]
     pos = list(node.inputs)[3] if len(node.inputs) > 3 else None
     x_type = dtype_of(x)
-    rank = x.shape.rank()
-    stored_cos, stored_sin = stored_array(cos, memo), stored_array(sin, memo)
-    # batch and sequence: X's static sizes, else per-token caches' or the positions', else small defaults
-    seq_axis = 2 if rank == 4 else 1
-    batch = dim(x, 0) or (cache_shape[0] if pos is None and cache_shape and cache_shape[0] else None) \
-        or dim(pos, 0) or BATCH
-    seq = dim(x, seq_axis) or (cache_shape[1] if pos is None and cache_shape and cache_shape[1] else None) \
-        or dim(pos, 1) or SEQ
     width = cache_shape[-1] if cache_shape and cache_shape[-1] else None
-    rd = attrs.rotary_embedding_dim or None
-    if rank == 4:
-        heads = dim(x, 1) or attrs.num_heads or 2
-        head_dim = dim(x, 3) or rd or 2 * (width or 4)
-        x_shape = (batch, heads, seq, head_dim)
-    else:
-        heads = attrs.num_heads
-        hidden = dim(x, 2)
-        head_dim = hidden // heads if hidden else (rd or 2 * (width or 4))
-        x_shape = (batch, seq, heads * head_dim)
-    half = (rd or head_dim) // 2
+    x_shape = _x_shape(x, attrs, pos, cache_shape, width)
+    if math.prod(x_shape) > MAX_RUN_ELEMENTS:
+        return None
+    batch, seq = x_shape[0], x_shape[2 if len(x_shape) == 4 else 1]
+    half = (attrs.rotary_embedding_dim or x_shape[-1] // (attrs.num_heads if len(x_shape) == 3 else 1)) // 2
     feeds = {x.name: (rng.standard_normal(x_shape) * 0.5).astype(x_type.numpy())}
     cache_np = (cache_type or ir.DataType.FLOAT).numpy()
-    if stored_cos is not None and stored_sin is not None:
-        cos_a, sin_a = stored_cos, stored_sin
-    else:
+    cos_a, sin_a = stored_array(cos, memo), stored_array(sin, memo)
+    if cos_a is None or sin_a is None:
         rows = (cache_shape[0] if cache_shape and cache_shape[0] else DEFAULT_ROWS) if pos is not None else None
         shape = (rows, half) if pos is not None else (batch, seq, half)
         key = f"angles:{cos.name}:{sin.name}:{shape}"
         if key not in shared:
             shared[key] = rng.uniform(-np.pi, np.pi, shape)
         cos_a, sin_a = np.cos(shared[key]).astype(cache_np), np.sin(shared[key]).astype(cache_np)
+    elif pos is None:  # stored per-token caches: the small input's sequences and positions
+        cos_a, sin_a = cos_a[:batch, :seq], sin_a[:batch, :seq]
     feeds[cos.name], feeds[sin.name] = shared.setdefault(cos.name, cos_a), shared.setdefault(sin.name, sin_a)
     pos_a = None
     if pos is not None:
         stored_pos = const_array(pos)
-        if stored_pos is not None:
-            pos_a = stored_pos
+        if stored_pos is not None:  # fed too, cut to the small input's sequences and positions
+            pos_a = feeds[pos.name] = stored_pos[:batch, :seq] if stored_pos.ndim == 2 else stored_pos
         else:
             if pos.name not in shared:
                 shared[pos.name] = _positions(rng, (batch, seq), feeds[cos.name].shape[0], out_of_range)

@@ -354,8 +354,9 @@ def _stage_tensorrt(onnx_path: Path, proto: onnx.ModelProto, model_dir: Path, en
             _stage_onnx(onnx_path, lowered, "trt-plugin", "single", say)
             say(f"building the TensorRT engine (max batch {max_batch})")
             build_engine(lowered, plan, [plugin_path], max_batch=max_batch, say=say)
-            lowered.unlink()
-            lowered.with_name(lowered.name + ".data").unlink(missing_ok=True)
+            from rope_export.files.onnx_files import remove
+
+            remove(lowered)
     if plugin_path.is_file():
         _check_plugin(plugin_path)
         shutil.copyfile(plugin_path, model_dir / plugin_path.name)

@@ -52,7 +52,7 @@ def past_two_gb(path: Path) -> list:
 
 
 def assert_is_a_big_external_file(path: Path) -> None:
-    data = onnx_files.data_path(path)
+    [data] = onnx_files.data_files(path)
     assert data.is_file() and data.stat().st_size > TWO_GB, f"{data} should hold more than 2 GB"
     assert path.stat().st_size < 20 * 2**20, f"{path} should hold the graph only"
     onnx.checker.check_model(str(path), full_check=True)

@@ -179,21 +179,26 @@ def test_a_failing_check_writes_nothing(tmp_path):
 
 
 def test_the_data_lands_before_the_model_and_signals_wait_for_both(tmp_path, monkeypatch):
+    """Over an existing pair (files.commit): the data under the name the old model does not read, the model that
+    names it, then the old data out; SIGINT waits for all."""
     path, _, _ = old_pair(tmp_path)
     replaced, real_replace = [], os.replace
 
     def replace(source, target):
         if not replaced:
             os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of the commit
-        replaced.append(os.path.basename(target))
+        replaced.append((os.path.basename(source), os.path.relpath(target, tmp_path)))
         real_replace(source, target)
 
     monkeypatch.setattr(fileio.os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         onnx_files.write(mlp_model(seed=3), path, external="single")
-    assert replaced == ["m.onnx.data", "m.onnx"]  # both renames done before the interrupt was delivered
+    # all moves done before the interrupt was delivered
+    assert [(s, t.split(os.sep)[-1]) for s, t in replaced] == [("m.onnx.2.data", "m.onnx.2.data"),
+                                                                ("m.onnx", "m.onnx"), ("m.onnx.data", "m.onnx.data")]
+    assert replaced[2][1].startswith(".m.onnx.")  # the old data into the staging folder, removed with it
     monkeypatch.undo()
-    assert listing(tmp_path) == ["m.onnx", "m.onnx.data"]
+    assert listing(tmp_path) == ["m.onnx", "m.onnx.2.data"]
     np.testing.assert_array_equal(run_ort(path, X), run_ort_proto(mlp_model(seed=3)))
 
 
@@ -201,7 +206,7 @@ def test_switching_layouts_replaces_the_old_data(tmp_path):
     path = tmp_path / "m.onnx"
     onnx_files.write(mlp_model(seed=1), path, external="per-tensor")
     onnx_files.write(mlp_model(seed=2), path, external="single")
-    assert listing(tmp_path) == ["m.onnx", "m.onnx.data"] and (tmp_path / "m.onnx.data").is_file()
+    assert listing(tmp_path) == ["m.onnx", "m.onnx.2.data"] and (tmp_path / "m.onnx.2.data").is_file()
     onnx_files.write(mlp_model(seed=3), path, external="per-tensor")
     assert listing(tmp_path) == ["m.onnx", "m.onnx.data/"]
     np.testing.assert_array_equal(run_ort(path, X), run_ort_proto(mlp_model(seed=3)))

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 import vlm_configs  # noqa: E402
 
 from rope_export import cli  # noqa: E402
-from rope_export.check.vlm_folder import check_folder  # noqa: E402
+from rope_export.check.vlm_folder import check_folder, folder_verdict_line  # noqa: E402
 from rope_export.hf.vlm import build_vlm, kinds  # noqa: E402
 from rope_export.hf.vlm.exporting import MANIFEST, export_vlm  # noqa: E402
 
@@ -70,6 +70,10 @@ def test_qwen2_5_vl_exports_whole_and_checks_from_the_command_line(tmp_path, cap
     assert cli.main(["check", str(out), "--runners", ",".join(RUNNERS), "--report", str(tmp_path / "report")]) == 0
     printed = capsys.readouterr().out
     assert "vision PASS, embedding PASS, decoder PASS, pipeline PASS" in printed
+    last = printed.strip().splitlines()[-1]  # one verdict line ends the output; the time per step: with --verbose
+    assert last.startswith("PASS: vision: ") and "; decoder: " in last and "pipeline: logits match" in last, last
+    assert sum(line.startswith(("PASS: ", "FAIL: ")) for line in printed.splitlines()) == 1
+    assert "time and peak RSS per step" not in printed
     assert (tmp_path / "report" / "decoder" / "check.json").is_file()
     # one component alone: its reference (the transformers submodule) is read from the file's metadata
     assert cli.main(["check", str(out / "vision.onnx"), "--runners", "onnxruntime-cpu", "--no-sweep"]) == 0
@@ -134,6 +138,9 @@ def test_planted_faults_fail(fault, tmp_path, monkeypatch):
     failed = {name for name, r in report.components.items() if not r.passed}
     assert failed == ({"decoder"} if fault == "swapped mRoPE section" else {"vision"}), report.failure_message()
     assert report.pipeline.status == "FAIL" and max(report.pipeline.errors.values()) > 1e-2, report.pipeline
+    verdict = folder_verdict_line(report)  # check's last line names what failed, and only that
+    assert verdict.startswith(f"FAIL: {failed.pop()}: ") and "pipeline FAIL: logits differ" in verdict, verdict
+    assert verdict.endswith("; 2 of 3 components pass"), verdict
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ def test_lookup_by_name_and_by_torch_dtype(kind, dtype):
     assert tolerance(kind, getattr(torch, dtype)) == by_name
 
 
-@pytest.mark.parametrize(("kind", "dtype"), [("op", "float64"), ("graph", "float32"), ("block", "int8")])
+@pytest.mark.parametrize(("kind", "dtype"), [("op", "int8"), ("graph", "float32"), ("block", "int8")])
 def test_unknown_lookup_lists_what_exists(kind, dtype):
     with pytest.raises(KeyError) as info:
         tolerance(kind, dtype)
@@ -87,3 +87,11 @@ def test_the_absolute_part_follows_an_output_whose_rms_is_above_one():
     assert not tol.allclose(near_zero + 2.5 * tol.atol, near_zero)
     assert scaled.allclose(near_zero + 2.5 * tol.atol, near_zero)  # a few ulps of the output's scale
     assert not scaled.allclose(near_zero + 4 * tol.atol, near_zero)
+
+
+@pytest.mark.parametrize("kind", ["op", "block"])
+def test_float64_is_held_to_float32s_tolerance(kind):
+    """float64 tables (a file of plain ops storing them so) are at least as exact as the float32 the contract
+    computes in: float32's tolerance, not a looser or a made-up one."""
+    assert tolerance(kind, "float64") == tolerance(kind, "float32")
+    assert tolerance(kind, torch.float64) == tolerance(kind, "float32")
