@@ -118,7 +118,8 @@ test-torch:
 	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
 	grep -iv '^torch==' requirements/lock.txt > $(TORCH_VENV)/lock-but-torch.txt
 	$(TORCH_VENV)/bin/python -m pip install --quiet --constraint $(TORCH_VENV)/lock-but-torch.txt "$(TORCH_SPEC)" setuptools
-	$(TORCH_VENV)/bin/python -c "import torch; print('torch==' + torch.__version__)" >> $(TORCH_VENV)/lock-but-torch.txt
+	$(TORCH_VENV)/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+		>> $(TORCH_VENV)/lock-but-torch.txt  # the wheel's version (2.15.0): torch.__version__'s +cu132 is on no index
 	$(TORCH_VENV)/bin/python -m pip install --quiet --constraint $(TORCH_VENV)/lock-but-torch.txt --no-build-isolation \
 		-e '.[dev,serve,diffusers]'
 	$(TORCH_VENV)/bin/python -m rope_export.cli build-plugin
