@@ -17,31 +17,7 @@ from rope_export.op import contract
 
 def run_hf_export(args) -> int:
     """The ``export --hf`` command: build offline, export, print a summary table."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from rope_export.common.steps import cli_steps
-    from rope_export.exporting.core import check_output_writable, summarize
-    from rope_export.files.onnx_files import output_files
-
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
-    if args.hf is None:
-        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer, --hf-family, --attention-mask, "
-                            "--task, --trace and --kv-buffer need --hf CONFIG_DIR_OR_JSON")
-    if args.random_weights and args.weights is not None:
-        raise HFExportError("--random-weights and --weights exclude each other: give one")
-    if args.hf_family is not None and args.hf_family not in HF_FAMILIES:  # before the minutes of building
-        raise HFExportError(f"unknown --hf-family {args.hf_family!r}; known: {', '.join(sorted(HF_FAMILIES))}")
-    for option in ("cache_len", "compare_decomposed", "module"):
-        value = getattr(args, option, None)
-        if value is not None and value is not False:  # `--cache-len 0` is given too (0 == False)
-            raise HFExportError(
-                f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
-                "the graph and the model is exported as it is"
-            )
+    _refuse_options(args)
     if args.seed is None:  # the shared --seed says "not given" with None (check then reads the file's own)
         args.seed = 0
     # the --hf folder's own checkpoint unless told otherwise: a folder with weights never exports random ones
@@ -56,6 +32,38 @@ def run_hf_export(args) -> int:
         from rope_export.cli.export_task import run_task_export
 
         return run_task_export(args, choice)
+    return _export_causal_lm(args, weights, weights_line)
+
+
+def _refuse_options(args) -> None:
+    """Refuse what --hf cannot take, before the minutes of building."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise HFExportError("--hf needs transformers: pip install 'rope-export[hf]'") from None
+    if args.hf is None:
+        raise HFExportError("--weights, --random-weights, --allow-no-rope, --layer, --hf-family, --attention-mask, "
+                            "--task, --trace and --kv-buffer need --hf CONFIG_DIR_OR_JSON")
+    if args.random_weights and args.weights is not None:
+        raise HFExportError("--random-weights and --weights exclude each other: give one")
+    if args.hf_family is not None and args.hf_family not in HF_FAMILIES:
+        raise HFExportError(f"unknown --hf-family {args.hf_family!r}; known: {', '.join(sorted(HF_FAMILIES))}")
+    for option in ("cache_len", "compare_decomposed", "module"):
+        value = getattr(args, option, None)
+        if value is not None and value is not False:  # `--cache-len 0` is given too (0 == False)
+            raise HFExportError(
+                f"--{option.replace('_', '-')} does not apply to --hf: transformers computes per-token cos/sin in "
+                "the graph and the model is exported as it is"
+            )
+
+
+def _export_causal_lm(args, weights, weights_line: str) -> int:
+    from rich.console import Console
+
+    from rope_export.common.steps import cli_steps
+    from rope_export.exporting.core import check_output_writable
+    from rope_export.files.onnx_files import output_files
+
     check_output_writable(Path(args.output))  # before the minutes of building and tracing
     console = Console()
     with said_when_untested(), cli_steps(console, f"rope-export export --hf: {args.output}",
@@ -77,8 +85,17 @@ def run_hf_export(args) -> int:
         progress.add_files(output_files(args.output))
     console.print(weights_line, soft_wrap=True, markup=False, highlight=False)  # the summary's first line
     console.print(f"trace: {result.trace}", soft_wrap=True, markup=False, highlight=False)
+    console.print(_summary_table(result, model, weights_line, args.dtype))
+    return 0
+
+
+def _summary_table(result, model, weights_line: str, dtype: str):
+    from rich.table import Table
+
+    from rope_export.exporting.core import summarize
+
     summary = summarize(result.model)
-    table = Table(title=f"{result.path} ({type(model).__name__}, {args.dtype})")
+    table = Table(title=f"{result.path} ({type(model).__name__}, {dtype})")
     table.add_column("what")
     table.add_column("value")
     table.add_row("model type", f"{model.config.model_type} ({result.family.notes or 'detected by code'})")
@@ -95,8 +112,7 @@ def run_hf_export(args) -> int:
     table.add_row("opsets", str(summary["opsets"]))
     for note in result.notes:
         table.add_row("note", note)
-    console.print(table)
-    return 0
+    return table
 
 
 def task_choice(args):
