@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hf_zoo_table import STATUS, doc_table, load_results, merge
+from hf_zoo_table import STATUS, doc_table, load_results, merge, write_record
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "hf_task_zoo_results.json"
@@ -44,15 +44,10 @@ def render(results: dict[str, dict], excluded: dict[str, str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    import json
-
     from hf_task_zoo import excluded
 
     results = merge(Path(argv[0]), load_results(RESULTS)) if argv else load_results(RESULTS)
-    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    text = DOC.read_text()
-    DOC.write_text(text.replace(doc_table(text, BEGIN, END), render(results, excluded())))
-    print(f"{RESULTS}: {len(results)} types; docs/tasks.md table rewritten")
+    write_record(results, RESULTS, DOC, lambda text: doc_table(text, BEGIN, END), render(results, excluded()))
     return 0
 
 

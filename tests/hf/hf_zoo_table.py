@@ -59,12 +59,17 @@ def merge(record: Path, results: dict[str, dict] | None = None) -> dict[str, dic
     return dict(sorted(results.items()))
 
 
+def write_record(results: dict, results_path: Path, doc: Path, table_of, rendered: str) -> None:
+    """Every zoo's last step: the record written, and its table in ``doc`` (found by ``table_of(text)``) replaced."""
+    results_path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    text = doc.read_text()
+    doc.write_text(text.replace(table_of(text), rendered))
+    print(f"{results_path}: {len(results)} types; {doc.name}'s table rewritten")
+
+
 def main(argv: list[str]) -> int:
     results = merge(Path(argv[0])) if argv else load_results()
-    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    text = DOC.read_text()
-    DOC.write_text(text.replace(doc_table(text), render(results)))
-    print(f"{RESULTS}: {len(results)} types; docs/transformers.md table rewritten")
+    write_record(results, RESULTS, DOC, doc_table, render(results))
     return 0
 
 

@@ -61,10 +61,7 @@ def doc_table(text: str) -> str:
 
 def main(argv: list[str]) -> int:
     results = hf_zoo_table.merge(Path(argv[0]), load_results()) if argv else load_results()
-    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    text = DOC.read_text()
-    DOC.write_text(text.replace(doc_table(text), render(results)))
-    print(f"{RESULTS}: {len(results)} types; docs/vision-language.md table rewritten")
+    hf_zoo_table.write_record(results, RESULTS, DOC, doc_table, render(results))
     return 0
 
 
